@@ -1,0 +1,32 @@
+"""deadweight: catch silent PyTorch training bugs, parameters that never learn or only pretend to.
+
+Public API::
+
+    report = deadweight.check(model, lambda: loss_fn(model(x), y), optimizer)
+    print(report)          # or report.ok, report.findings, report.to_json()
+"""
+
+from __future__ import annotations
+
+from deadweight._version import __version__
+from deadweight.check_model import check
+from deadweight.errors import DeadweightError, InputError, LossFnError
+from deadweight.findings import Finding, Location, Severity
+from deadweight.registry import Rule, all_rules, get_rule
+from deadweight.report import SCHEMA_VERSION, Report
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DeadweightError",
+    "Finding",
+    "InputError",
+    "Location",
+    "LossFnError",
+    "Report",
+    "Rule",
+    "Severity",
+    "__version__",
+    "all_rules",
+    "check",
+    "get_rule",
+]

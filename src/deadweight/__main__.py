@@ -1,0 +1,3 @@
+from deadweight.cli import main
+
+raise SystemExit(main())

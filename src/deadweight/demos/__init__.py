@@ -1,0 +1,1 @@
+"""Runnable reproductions of the incidents deadweight exists for; `deadweight demo` runs them."""

@@ -1,0 +1,338 @@
+"""Measure gradient flow: run the user's loss once, backward once, and record what happened.
+
+`measure_grad_flow` produces `GradFlowStats`: per parameter whether a gradient
+arrived, and the *candidate cuts* that could explain a missing one, each with the
+parameters upstream of it. Choosing which cut explains which parameter is left to
+the rules.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from deadweight.errors import InputError, LossFnError
+from deadweight.probes import autograd_graph
+from deadweight.probes.module_trace import ModuleTracer
+from deadweight.probes.op_trace import OpTracer, tensors_in
+from deadweight.probes.sites import Site, definition_site
+from deadweight.probes.state import preserved
+
+_NO_FORMULA = re.compile(r"Trying to backward through (\S+) but no autograd formula was registered")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    module: str  # path of the module that owns it ("" for the root)
+    shape: tuple[int, ...]
+    dtype: str
+    trainable: bool
+    has_grad: bool
+    reaches_loss: bool  # the parameter's node is in the loss's autograd graph
+    in_optimizer: bool | None  # None when no optimizer was given
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A candidate explanation for parameters that got no gradient.
+
+    kind: how the graph was cut (see `CUT_KINDS`); op: the call; site: the user's
+    line; module: the module path running at the time; params: trainable
+    parameters upstream of the cut; flows_to_loss: whether the cut's result was seen
+    reaching the loss (None when that does not apply to this kind).
+    """
+
+    kind: str
+    op: str | None
+    site: Site | None
+    module: str | None
+    params: frozenset[str]
+    flows_to_loss: bool | None = None
+    detail: str = ""
+
+
+CUT_KINDS = {
+    "no-grad": "ran under torch.no_grad, so its output has no grad_fn while its input requires grad",
+    "inference-mode": "ran under torch.inference_mode, so its output has no grad_fn while its input requires grad",
+    "detach": "detached its input with .detach(), so no gradient flows back through it",
+    "data": "read .data, which returns the values without the autograd graph",
+    "item": "turned a tensor into a Python number (.item() / float()), which carries no gradient",
+    "tolist": "turned a tensor into a Python list (.tolist()), which carries no gradient",
+    "numpy": "turned a tensor into a NumPy array, which carries no gradient",
+    "rebuilt-tensor": "built a new tensor from another tensor's values (torch.tensor), which starts a new graph",
+    "non-differentiable": "has no derivative (its output is an integer or boolean tensor)",
+    "other": "returned a result without grad_fn although its input requires grad",
+    "function": "is an autograd.Function whose outputs come back without grad_fn (ctx.mark_non_differentiable)",
+    "reentrant-checkpoint": "is torch.utils.checkpoint with use_reentrant=True and no input that requires grad, so the checkpointed parameters get no gradient",
+    "dropped-in-backward": "returned None from backward for an input that needs a gradient",
+    "no-autograd-kernel": "is a custom op registered without an autograd kernel: backward warns once and then passes no gradient",
+    "custom-op-no-autograd": "is a torch.library.custom_op with no register_autograd: backward through it raises",
+    "module-cut": "returned outputs without grad_fn although its inputs or parameters require grad",
+    "never-ran": "never ran in this forward",
+    "output-unused": "ran, but its output never reaches the loss",
+    "loss-no-grad-fn": "is the loss itself: it has no grad_fn, so backward cannot reach any parameter",
+}
+
+
+@dataclass(frozen=True)
+class LossInfo:
+    value: float | None
+    finite: bool
+    has_graph: bool
+    site: Site | None  # the line that produced a loss without grad_fn, when traced
+    grad_enabled_at_site: bool | None = None
+
+
+@dataclass
+class GradFlowStats:
+    """What one forward+backward showed about gradient flow."""
+
+    model: str
+    model_training: bool
+    optimizer: str | None
+    loss: LossInfo
+    params: list[ParamInfo]
+    cuts: list[Cut]
+    backward_error: str | None = None
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    @property
+    def no_grad_params(self) -> list[ParamInfo]:
+        return [p for p in self.params if p.trainable and not p.has_grad]
+
+
+LossFn = Callable[[], Any]
+
+
+def measure_grad_flow(
+    model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None = None
+) -> GradFlowStats:
+    """Run `loss_fn` and one backward; leave the model, its grads and the RNG as they were."""
+    named = _validated_params(model, loss_fn, optimizer)
+    names_by_id = {id(p): n for n, p in named}
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    in_opt = _optimizer_param_ids(optimizer)
+
+    with preserved(model):
+        modules = ModuleTracer(model)
+        tracer = OpTracer(modules.current)
+        with torch.inference_mode(False), torch.enable_grad():
+            try:
+                with modules, tracer:
+                    raw = loss_fn()
+            except Exception as exc:
+                raise LossFnError(
+                    f"loss_fn raised {type(exc).__name__}: {exc} "
+                    "(its traceback is above; deadweight removed all of its hooks)"
+                ) from exc
+            loss = _validated_loss(raw)
+
+            has_graph = loss.requires_grad
+            loss_walk = (
+                autograd_graph.walk([loss.grad_fn or loss])
+                if has_graph
+                else autograd_graph.GraphWalk()
+            )
+            cuts: list[Cut] = []
+            backward_error = None
+            reached = loss_walk.leaves
+            if has_graph:
+                watch = autograd_graph.DropWatch(loss_walk.nodes)
+                try:
+                    with watch:
+                        torch.autograd.backward(loss, inputs=[p for _, p in trainable])
+                except RuntimeError as exc:
+                    match = _NO_FORMULA.search(str(exc))
+                    if match is None:
+                        raise LossFnError(f"backward failed: {exc}") from exc
+                    backward_error = str(exc).splitlines()[0]
+                    bad = autograd_graph.raising_nodes(loss_walk.nodes, match.group(1))
+                    for node in bad:
+                        cuts.append(_node_cut(node, range(len(node.next_functions)),
+                                              "custom-op-no-autograd", tracer, names_by_id))
+                    reached = autograd_graph.walk([loss.grad_fn], stop=frozenset(bad)).leaves
+                for drop in watch.drops:
+                    kind = ("dropped-in-backward"
+                            if isinstance(drop.node, torch.autograd.function.BackwardCFunction)
+                            else "no-autograd-kernel")
+                    cuts.append(_node_cut(drop.node, drop.inputs, kind, tracer, names_by_id))
+
+            if backward_error is None:
+                has_grad = {id(p): p.grad is not None for _, p in trainable}
+            else:  # backward stopped half-way: what would have arrived is what is reachable
+                has_grad = {id(p): id(p) in reached for _, p in trainable}
+            grads = {n: p.grad for n, p in trainable}
+
+            loss_site = None
+            site_grad_enabled = None
+            if not has_graph:
+                origin = tracer.scalar_origins.get(loss)
+                if origin is not None:
+                    _, loss_site, site_grad_enabled = origin
+                else:
+                    loss_site = definition_site(loss_fn)
+                cuts.append(Cut("loss-no-grad-fn", None, loss_site, None,
+                                frozenset(n for n, _ in trainable)))
+
+            loss_taint = tracer.taint_of(loss)
+            for event in tracer.events:
+                params = _upstream_params(event.roots, loss_walk.nodes, names_by_id)
+                if params:
+                    cuts.append(Cut(event.kind, event.op, event.site, event.module, params,
+                                    flows_to_loss=event.index in loss_taint))
+            cuts.extend(_module_cuts(model, modules, loss_walk.nodes, names_by_id, trainable))
+
+    value = float(loss.detach().float().item()) if loss.numel() == 1 else None
+    return GradFlowStats(
+        model=type(model).__name__,
+        model_training=model.training,
+        optimizer=type(optimizer).__name__ if optimizer is not None else None,
+        loss=LossInfo(
+            value=value,
+            finite=value is not None and math.isfinite(value),
+            has_graph=has_graph,
+            site=loss_site,
+            grad_enabled_at_site=site_grad_enabled,
+        ),
+        params=[
+            ParamInfo(
+                name=n,
+                module=n.rpartition(".")[0],
+                shape=tuple(p.shape),
+                dtype=str(p.dtype).removeprefix("torch."),
+                trainable=p.requires_grad,
+                has_grad=has_grad.get(id(p), False),
+                reaches_loss=id(p) in reached,
+                in_optimizer=(id(p) in in_opt) if in_opt is not None else None,
+            )
+            for n, p in named
+        ],
+        cuts=cuts,
+        backward_error=backward_error,
+        grads=grads,
+    )
+
+
+def _validated_params(
+    model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None
+) -> list[tuple[str, nn.Parameter]]:
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise InputError(
+            f"loss_fn must be a zero-argument callable returning the loss, got {type(loss_fn).__name__}"
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise InputError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    named = list(model.named_parameters())
+    meta = [n for n, p in named if p.is_meta]
+    if meta:
+        raise InputError(
+            f"{len(meta)} parameter(s) are on the meta device and hold no values "
+            f"({_few(meta)}); materialise the model first, e.g. model.to_empty(device='cpu') "
+            "and load its weights"
+        )
+    if not any(p.requires_grad for _, p in named):
+        raise InputError(
+            f"{type(model).__name__} has no trainable parameters "
+            f"({len(named)} parameter(s), all with requires_grad=False); nothing can learn"
+        )
+    return named
+
+
+def _validated_loss(raw: Any) -> torch.Tensor:
+    if not isinstance(raw, torch.Tensor):
+        hint = ""
+        if isinstance(raw, dict) and "loss" in raw or hasattr(raw, "loss"):
+            hint = " (it has a `loss` field: return that, e.g. `lambda: model(**batch).loss`)"
+        raise InputError(
+            f"loss_fn must return the scalar loss tensor, got {type(raw).__name__}{hint}"
+        )
+    if raw.numel() != 1:
+        raise InputError(
+            f"loss_fn must return a scalar loss, got a tensor of shape {tuple(raw.shape)}; "
+            "reduce it the way your training does, e.g. with .mean()"
+        )
+    return raw
+
+
+def _optimizer_param_ids(optimizer: torch.optim.Optimizer | None) -> set[int] | None:
+    if optimizer is None:
+        return None
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
+def _upstream_params(
+    roots: list[Any], loss_nodes: set[Any], names_by_id: dict[int, str]
+) -> frozenset[str]:
+    # A node that the loss reaches passes gradients to everything above it, so the
+    # walk stops there: only parameters that hang *solely* from the cut are wanted.
+    upstream = autograd_graph.walk(roots, stop=frozenset(loss_nodes))
+    return frozenset(names_by_id[i] for i in upstream.leaves if i in names_by_id)
+
+
+def _node_cut(
+    node: Any, inputs: Any, kind: str, tracer: OpTracer, names_by_id: dict[int, str]
+) -> Cut:
+    roots = [node.next_functions[i][0] for i in inputs]
+    params = frozenset(
+        names_by_id[i] for i in autograd_graph.walk(roots).leaves if i in names_by_id
+    )
+    origin = tracer.node_origins.get(node)
+    op = origin.op if origin else type(node).__name__
+    return Cut(kind, op, origin.site if origin else None, origin.module if origin else None,
+               params, detail=f"input(s) {list(inputs)} of {type(node).__name__}")
+
+
+def _module_cuts(
+    model: nn.Module,
+    modules: ModuleTracer,
+    loss_nodes: set[Any],
+    names_by_id: dict[int, str],
+    trainable: list[tuple[str, nn.Parameter]],
+) -> list[Cut]:
+    trainable_names = [n for n, _ in trainable]
+
+    def params_under(path: str) -> frozenset[str]:
+        prefix = path + "." if path else ""
+        return frozenset(n for n in trainable_names if n.startswith(prefix))
+
+    cuts = []
+    ran = modules.calls
+    for path, module in model.named_modules():
+        if not path:
+            continue
+        parent = path.rpartition(".")[0]
+        if path not in ran:
+            if parent in ran or (parent == "" and "" not in ran):
+                params = params_under(path)
+                if params:
+                    cuts.append(Cut("never-ran", type(module).__name__, definition_site(module),
+                                    path, params))
+            continue
+        record = ran[path]
+        if record.output_nodes and not any(n in loss_nodes for n in record.output_nodes):
+            params = params_under(path)
+            if params:
+                cuts.append(Cut("output-unused", type(module).__name__, record.call_site, path,
+                                params))
+        if record.cut_roots:
+            params = _upstream_params(record.cut_roots, loss_nodes, names_by_id)
+            if params:
+                cuts.append(Cut("module-cut", type(module).__name__, record.call_site, path, params))
+    return cuts
+
+
+def _few(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+__all__ = ["CUT_KINDS", "Cut", "GradFlowStats", "LossInfo", "ParamInfo", "measure_grad_flow",
+           "tensors_in"]

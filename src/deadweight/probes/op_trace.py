@@ -1,0 +1,323 @@
+"""Forward-time tracing of every place where a tensor loses its link to the autograd graph.
+
+A `TorchFunctionMode` sees each torch call during the user's forward. An op whose
+inputs require grad but whose outputs do not is a *cut event*: it ran under
+`torch.no_grad` / `inference_mode`, or it was `.detach()`, `.data`, `.item()`,
+`.tolist()`, `.numpy()`, a tensor rebuilt with `torch.tensor(...)`, or an op that has
+no derivative (comparisons, argmax). `autograd.Function.apply` is not visible to a
+mode, so it is wrapped for the duration of the trace: a Function whose outputs come
+back without a graph while its inputs, or the parameters used inside it, needed one
+(`ctx.mark_non_differentiable`, reentrant checkpointing with no input that requires
+grad) is a cut event at the line that applied it.
+
+Cut events are candidates. What a cut event's *output* feeds is followed by taint:
+tensors (and Python values from `.item()` / `.tolist()`) derived from it carry its id,
+so the caller can tell a cut whose value reaches the loss from one used for logging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import CheckpointFunction
+from torch.utils.weak import WeakIdKeyDictionary
+
+from deadweight.probes.sites import Site, user_site
+
+Tensor = torch.Tensor
+_TensorBase = torch._C.TensorBase
+_DATA = _TensorBase.__dict__["data"]
+_DETACH_INPLACE = _TensorBase.detach_
+_DETACH = _TensorBase.detach
+# Calls that turn tensor values into Python values. `x.numpy()` on a tensor that
+# requires grad raises, so the silent form is `x.detach().numpy()`: the detach is the cut.
+_TO_PYTHON = {
+    _TensorBase.item: "item",
+    _TensorBase.tolist: "tolist",
+    _TensorBase.numpy: "numpy",
+    _TensorBase.__float__: "item",
+    _TensorBase.__int__: "item",
+}
+_REBUILD = {torch.tensor, torch.as_tensor, _TensorBase.new_tensor}
+_OPS_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_PY_VALUE_TYPES = (float, int, complex, list, np.ndarray)
+
+
+@dataclass
+class CutEvent:
+    """One place where a tensor that needed a gradient produced a result without one."""
+
+    index: int
+    kind: str
+    op: str
+    site: Site | None
+    module: str | None
+    # What the event's inputs hang from: autograd nodes, or leaf tensors that require grad.
+    roots: list[Any] = field(repr=False)
+    grad_enabled: bool = True
+
+
+@dataclass(frozen=True)
+class NodeOrigin:
+    """Which call created an autograd node, for nodes that may drop gradients in backward."""
+
+    op: str
+    site: Site | None
+    module: str | None
+
+
+@dataclass
+class _FunctionCall:
+    cls: type
+    inner_roots: list[Any] = field(default_factory=list)
+
+
+class OpTracer(TorchFunctionMode):
+    """Use as a context manager around the user's forward; read `events` afterwards."""
+
+    def __init__(self, current_module: Callable[[], str | None] = lambda: None) -> None:
+        super().__init__()
+        self._current_module = current_module
+        self.events: list[CutEvent] = []
+        self.node_origins: dict[Any, NodeOrigin] = {}
+        self.scalar_origins: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._taint: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._py_taint: dict[int, tuple[object, frozenset[int]]] = {}
+        self._functions: list[_FunctionCall] = []
+        self._saved_apply: Any = None
+
+    # -- context -----------------------------------------------------------------
+    def __enter__(self) -> OpTracer:
+        self._patch_function_apply()
+        try:
+            super().__enter__()
+        except BaseException:
+            self._unpatch_function_apply()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._unpatch_function_apply()
+
+    def taint_of(self, value: object) -> frozenset[int]:
+        """Ids of the cut events whose output flowed into `value`."""
+        if isinstance(value, Tensor):
+            return self._taint.get(value, frozenset())
+        entry = self._py_taint.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else frozenset()
+
+    # -- the mode ----------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        pre_roots = _grad_roots(args, kwargs) if func is _DETACH_INPLACE else None
+        out = func(*args, **kwargs)
+
+        if self._functions:
+            # Inside autograd.Function.forward grad is always off; that is how every
+            # Function works, so only remember what needed a grad for the verdict at apply.
+            if not _any_requires_grad(out):
+                self._functions[-1].inner_roots.extend(_grad_roots(args, kwargs))
+            return out
+
+        taint = self._incoming_taint(args, kwargs) if (self._taint or self._py_taint) else None
+
+        if isinstance(out, Tensor):
+            if out.requires_grad:
+                if isinstance(func, _OPS_TYPES) and out.grad_fn is not None:
+                    self._remember_node(out.grad_fn, _op_name(func))
+                if taint:
+                    self._taint[out] = taint
+                return out
+            roots = pre_roots if pre_roots is not None else _grad_roots(args, kwargs)
+            if roots:
+                event = self._record(func, roots, _kind_for_tensor_op(func, out))
+                taint = (taint or frozenset()) | {event.index}
+            elif out.dim() == 0:
+                self.scalar_origins[out] = (_op_name(func), user_site(), torch.is_grad_enabled())
+            if taint:
+                self._taint[out] = taint
+            return out
+
+        if isinstance(out, (tuple, list)) and any(isinstance(o, Tensor) for o in out):
+            tensors = [o for o in out if isinstance(o, Tensor)]
+            if not any(t.requires_grad for t in tensors):
+                roots = _grad_roots(args, kwargs)
+                if roots:
+                    event = self._record(func, roots, _kind_for_tensor_op(func, tensors[0]))
+                    taint = (taint or frozenset()) | {event.index}
+            if taint:
+                for t in tensors:
+                    self._taint[t] = taint
+            return out
+
+        kind = _TO_PYTHON.get(func)
+        if kind is not None:
+            roots = _grad_roots(args, kwargs)
+            if roots:
+                event = self._record(func, roots, kind)
+                taint = (taint or frozenset()) | {event.index}
+        if taint and isinstance(out, _PY_VALUE_TYPES):
+            self._py_taint[id(out)] = (out, taint)
+        return out
+
+    # -- autograd.Function -------------------------------------------------------
+    def _patch_function_apply(self) -> None:
+        original = torch.autograd.Function.__dict__["apply"]
+        self._saved_apply = original
+        tracer = self
+
+        def apply(cls, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return tracer._traced_apply(original.__func__, cls, args, kwargs)
+
+        torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+
+    def _unpatch_function_apply(self) -> None:
+        if self._saved_apply is not None:
+            torch.autograd.Function.apply = self._saved_apply  # type: ignore[method-assign]
+            self._saved_apply = None
+
+    def _traced_apply(self, original: Callable[..., Any], cls: type, args: tuple, kwargs: dict) -> Any:
+        outer = bool(self._functions)
+        call = _FunctionCall(cls)
+        self._functions.append(call)
+        try:
+            out = original(cls, *args, **kwargs)
+        finally:
+            self._functions.pop()
+        if outer:  # a Function inside another Function's forward belongs to the outer one
+            if not _any_requires_grad(out):
+                self._functions[-1].inner_roots.extend(_grad_roots(args, kwargs))
+                self._functions[-1].inner_roots.extend(call.inner_roots)
+            return out
+        outputs = list(_tensors_in(out))
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        for o in outputs:
+            if o.grad_fn is not None and o.grad_fn not in self.node_origins:
+                self._remember_node(o.grad_fn, name)
+        taint = self._incoming_taint(args, kwargs) if (self._taint or self._py_taint) else None
+        if not any(o.requires_grad for o in outputs):
+            roots = _grad_roots(args, kwargs) + call.inner_roots
+            if roots and outputs:
+                kind = "reentrant-checkpoint" if issubclass(cls, CheckpointFunction) else "function"
+                event = self._record(None, roots, kind, op=name)
+                taint = (taint or frozenset()) | {event.index}
+        if taint:
+            for o in outputs:
+                self._taint[o] = taint
+        return out
+
+    # -- helpers -----------------------------------------------------------------
+    def _record(self, func: Any, roots: list[Any], kind: str, op: str | None = None) -> CutEvent:
+        event = CutEvent(
+            index=len(self.events),
+            kind=kind,
+            op=op or _op_name(func),
+            site=user_site(sys._getframe(1)),
+            module=self._current_module(),
+            roots=roots,
+            grad_enabled=torch.is_grad_enabled(),
+        )
+        self.events.append(event)
+        return event
+
+    def _remember_node(self, node: Any, op: str) -> None:
+        self.node_origins[node] = NodeOrigin(op, user_site(sys._getframe(1)), self._current_module())
+
+    def _incoming_taint(self, args: tuple, kwargs: dict) -> frozenset[int] | None:
+        found: frozenset[int] = frozenset()
+        for value in _flat_args(args, kwargs):
+            if isinstance(value, Tensor):
+                t = self._taint.get(value)
+                if t:
+                    found |= t
+            elif self._py_taint:
+                entry = self._py_taint.get(id(value))
+                if entry is not None and entry[0] is value:
+                    found |= entry[1]
+        return found or None
+
+
+def _kind_for_tensor_op(func: Any, out: Tensor) -> str:
+    if torch.is_inference_mode_enabled():
+        return "inference-mode"
+    if not torch.is_grad_enabled():
+        return "no-grad"
+    if func is _DETACH or func is _DETACH_INPLACE:
+        return "detach"
+    if getattr(func, "__self__", None) is _DATA:
+        return "data"
+    if func in _REBUILD:
+        return "rebuilt-tensor"
+    if not (out.is_floating_point() or out.is_complex()):
+        return "non-differentiable"
+    return "other"
+
+
+def _flat_args(args: tuple, kwargs: dict) -> Iterator[Any]:
+    for value in (*args, *kwargs.values()):
+        yield value
+        if isinstance(value, (list, tuple)):
+            yield from value
+
+
+def _grad_roots(args: tuple, kwargs: dict) -> list[Any]:
+    """The graph nodes (or leaf tensors) that the tensor arguments needing grad hang from."""
+    roots = []
+    for value in _flat_args(args, kwargs):
+        if isinstance(value, Tensor) and value.requires_grad:
+            roots.append(value.grad_fn if value.grad_fn is not None else value)
+    return roots
+
+
+def _any_requires_grad(out: Any) -> bool:
+    return any(t.requires_grad for t in _tensors_in(out))
+
+
+def _tensors_in(obj: Any, depth: int = 3) -> Iterator[Tensor]:
+    """Tensors inside an output: plain, in tuples/lists/dicts, or fields of a dataclass."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif depth == 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth - 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v, depth - 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, f.name, None), depth - 1)
+
+
+tensors_in = _tensors_in
+
+
+def _op_name(func: Any) -> str:
+    if isinstance(func, torch._ops.OpOverload):
+        return func.name()
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return str(func._qualified_op_name)
+    owner = getattr(func, "__self__", None)
+    if owner is not None and type(owner).__name__ == "getset_descriptor":
+        return f"Tensor.{owner.__name__}"
+    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    name = getattr(func, "__name__", qualname)
+    if qualname.startswith(("TensorBase.", "Tensor.")):
+        return "Tensor." + qualname.split(".", 1)[1]
+    module = getattr(func, "__module__", None) or ""
+    if module == "torch._C._nn" or module.startswith("torch.nn.functional"):
+        return f"torch.nn.functional.{name}"
+    if module.startswith("torch") or qualname.startswith("_VariableFunctionsClass"):
+        return f"torch.{name}"
+    return f"{module}.{qualname}" if module else qualname

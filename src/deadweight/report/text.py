@@ -1,0 +1,123 @@
+"""Terminal rendering with rich."""
+
+from __future__ import annotations
+
+import io
+import re
+from collections import defaultdict
+
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from deadweight.findings import Finding, Severity
+from deadweight.report import Report
+
+_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+_MAX_NAMES = 8
+
+
+def render(report: Report, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(_header(report))
+    for finding in report.findings:
+        console.print(_finding_panel(finding))
+    console.print(_footer(report))
+
+
+def render_plain(report: Report, width: int = 100) -> str:
+    buffer = io.StringIO()
+    render(report, Console(file=buffer, width=width, no_color=True, highlight=False))
+    return buffer.getvalue()
+
+
+def _header(report: Report) -> Text:
+    subject = report.subject
+    parts = [f"deadweight {report.kind}"]
+    if "model" in subject:
+        parts.append(f"{subject['model']}")
+    if "parameters" in subject:
+        parts.append(
+            f"{subject['parameters']} parameters ({subject.get('trainable', '?')} trainable)"
+        )
+    if subject.get("loss") is not None:
+        parts.append(f"loss {subject['loss']:.6g}")
+    if subject.get("optimizer"):
+        parts.append(f"optimizer {subject['optimizer']}")
+    return Text(" · ".join(parts), style="bold")
+
+
+def _finding_panel(finding: Finding) -> Panel:
+    style = _STYLE[finding.severity]
+    table = Table.grid(padding=(0, 1))
+    table.add_column(style="dim", no_wrap=True)
+    table.add_column()
+    table.add_row("", Text(finding.message))
+    if finding.location and str(finding.location):
+        table.add_row("where", Text(str(finding.location)))
+    if finding.params:
+        table.add_row("params", Text(compress_names(finding.params)))
+    evidence = _evidence_line(finding)
+    if evidence:
+        table.add_row("evidence", Text(evidence))
+    if finding.fix:
+        table.add_row("fix", Text(finding.fix))
+    title = f"[{style}]{finding.severity.value}[/] {finding.code} {escape(finding.name)}"
+    return Panel(Group(table), title=title, title_align="left", border_style=style)
+
+
+def _evidence_line(finding: Finding) -> str:
+    items = []
+    for key, value in finding.evidence.items():
+        if key in ("explained_by",) or value is None or value == [] or value == {}:
+            continue
+        items.append(f"{key}={value}")
+    return ", ".join(items)
+
+
+def _footer(report: Report) -> Text:
+    counts = report.counts()
+    if not report.findings:
+        return Text("no findings", style="green")
+    parts = [f"{n} {sev}{'s' if n != 1 and sev != 'info' else ''}" for sev, n in counts.items() if n]
+    return Text(", ".join(reversed(parts)), style="bold red" if not report.ok else "bold")
+
+
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)")
+
+
+def compress_names(names: tuple[str, ...] | list[str], limit: int = _MAX_NAMES) -> str:
+    """`h.0.ln.weight, h.1.ln.weight, ...` -> `h.{0-11}.ln.weight`; long lists are cut."""
+    patterns: dict[str, list[int]] = defaultdict(list)
+    singles: list[str] = []
+    for name in names:
+        numbers = _NUMBER.findall(name)
+        if len(numbers) == 1:
+            patterns[_NUMBER.sub("{}", name)].append(int(numbers[0]))
+        else:
+            singles.append(name)
+    shown: list[str] = []
+    for pattern, numbers in patterns.items():
+        if len(numbers) == 1:
+            shown.append(pattern.replace("{}", str(numbers[0])))
+        else:
+            shown.append(pattern.replace("{}", "{" + _ranges(sorted(numbers)) + "}"))
+    shown.extend(singles)
+    if len(shown) > limit:
+        return ", ".join(shown[:limit]) + f" … and {len(shown) - limit} more ({len(names)} in all)"
+    return ", ".join(shown)
+
+
+def _ranges(numbers: list[int]) -> str:
+    spans: list[str] = []
+    start = prev = numbers[0]
+    for n in [*numbers[1:], None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return ",".join(spans)
