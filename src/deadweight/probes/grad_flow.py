@@ -56,6 +56,7 @@ class Cut:
     params: frozenset[str]
     flows_to_loss: bool | None = None
     detail: str = ""
+    caller: Site | None = None
 
 
 CUT_KINDS = {
@@ -186,7 +187,8 @@ def measure_grad_flow(
                 params = _upstream_params(event.roots, loss_walk.nodes, names_by_id)
                 if params:
                     cuts.append(Cut(event.kind, event.op, event.site, event.module, params,
-                                    flows_to_loss=event.index in loss_taint))
+                                    flows_to_loss=event.index in loss_taint,
+                                    caller=event.caller))
             cuts.extend(_module_cuts(model, modules, loss_walk.nodes, names_by_id, trainable))
 
     value = float(loss.detach().float().item()) if loss.numel() == 1 else None

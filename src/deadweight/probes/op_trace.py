@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.weak import WeakIdKeyDictionary
 
-from deadweight.probes.sites import Site, user_site
+from deadweight.probes.sites import Site, site_of, user_frame, user_site
 
 Tensor = torch.Tensor
 _TensorBase = torch._C.TensorBase
@@ -62,6 +62,7 @@ class CutEvent:
     # What the event's inputs hang from: autograd nodes, or leaf tensors that require grad.
     roots: list[Any] = field(repr=False)
     grad_enabled: bool = True
+    caller: Site | None = None  # the user frame that called the function holding `site`
 
 
 @dataclass(frozen=True)
@@ -218,14 +219,16 @@ class OpTracer(TorchFunctionMode):
 
     # -- helpers -----------------------------------------------------------------
     def _record(self, func: Any, roots: list[Any], kind: str, op: str | None = None) -> CutEvent:
+        frame = user_frame(sys._getframe(1))
         event = CutEvent(
             index=len(self.events),
             kind=kind,
             op=op or _op_name(func),
-            site=user_site(sys._getframe(1)),
+            site=site_of(frame),
             module=self._current_module(),
             roots=roots,
             grad_enabled=torch.is_grad_enabled(),
+            caller=site_of(user_frame(frame.f_back)) if frame is not None else None,
         )
         self.events.append(event)
         return event

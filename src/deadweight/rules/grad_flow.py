@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Iterator
 
@@ -107,8 +108,8 @@ def no_gradient(stats: GradFlowStats) -> Iterator[Finding]:
             "in_optimizer": _in_optimizer(names, params),
         }
         if groups:
-            where = "; ".join(f"{g.ref} ({g.first.kind})" for g in groups)
-            message = f"{subject} no gradient{skipper}: the graph is cut at {where}, see DW102."
+            where = "; ".join(_short_ref(g) for g in groups)
+            message = f"{subject} no gradient{skipper}: the graph is cut {where} (DW102)."
             evidence["explained_by"] = [
                 {"code": "DW102", "kind": g.first.kind, "location": g.location.to_dict()}
                 for g in groups
@@ -197,6 +198,8 @@ def graph_cut(stats: GradFlowStats) -> Iterator[Finding]:
         }
         if any(c.flows_to_loss is not None for c in group.cuts):
             evidence["result_reaches_loss"] = any(c.flows_to_loss for c in group.cuts)
+        if cut.caller is not None:
+            evidence["called_from"] = str(cut.caller)
         if cut.detail:
             evidence["detail"] = cut.detail
         if kind == "custom-op-no-autograd" and stats.backward_error:
@@ -285,6 +288,18 @@ def model_in_eval_mode(stats: GradFlowStats) -> Iterator[Finding]:
             "statistics; call model.train() if you train it like this.",
             evidence={"training": False},
         )
+
+
+def _short_ref(group: CutGroup) -> str:
+    cut = group.first
+    if cut.kind == "loss-no-grad-fn":
+        return "at the loss itself, which has no grad_fn"
+    if cut.kind in ("never-ran", "output-unused", "module-cut"):
+        return f"at module `{cut.module}`, which {CUT_KINDS[cut.kind].split(',')[0]}"
+    if cut.site is None:
+        return f"at {cut.op} ({cut.kind})"
+    return (f"at {os.path.basename(cut.site.file)}:{cut.site.line} in {cut.site.function} "
+            f"({cut.kind})")
 
 
 def _subject(group: CutGroup) -> str:

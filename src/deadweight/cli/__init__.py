@@ -1,0 +1,56 @@
+"""The `deadweight` command line: one small module per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import sys
+import traceback
+from collections.abc import Sequence
+
+from deadweight._version import __version__
+from deadweight.cli import check as check_cmd
+from deadweight.cli import demo as demo_cmd
+from deadweight.cli import rules as rules_cmd
+from deadweight.errors import DeadweightError
+
+SUBCOMMANDS = (demo_cmd, check_cmd, rules_cmd)
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    FINDINGS = 1  # something at or above --fail-on was found
+    USAGE = 2  # bad arguments or input, or deadweight could not run the check
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deadweight",
+        description="Catch silent PyTorch training bugs: parameters that never learn, "
+        "or only pretend to.",
+    )
+    parser.add_argument("--version", action="version", version=f"deadweight {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in SUBCOMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return ExitCode.USAGE
+    try:
+        return int(args.run(args))
+    except DeadweightError as exc:
+        cause = exc.__cause__
+        if cause is not None and not isinstance(cause, DeadweightError):
+            # The user's own code failed: their traceback is what they need to see.
+            traceback.print_exception(type(cause), cause, cause.__traceback__, file=sys.stderr)
+        print(f"deadweight: error: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    except KeyboardInterrupt:
+        print("deadweight: interrupted", file=sys.stderr)
+        return 130
