@@ -24,7 +24,7 @@ class GraphWalk:
     """Everything reachable backwards from a set of root nodes."""
 
     nodes: set[Any] = field(default_factory=set)
-    leaves: set[int] = field(default_factory=set)  # ids of leaf tensors with AccumulateGrad
+    leaves: dict[int, torch.Tensor] = field(default_factory=dict)  # id -> leaf that gets a grad
 
 
 def walk(roots: Iterable[Any], stop: frozenset[Any] = frozenset()) -> GraphWalk:
@@ -36,14 +36,14 @@ def walk(roots: Iterable[Any], stop: frozenset[Any] = frozenset()) -> GraphWalk:
         if item is None:
             continue
         if isinstance(item, torch.Tensor):  # a leaf that requires grad, used directly
-            result.leaves.add(id(item))
+            result.leaves[id(item)] = item
             continue
         if item in result.nodes or item in stop:
             continue
         result.nodes.add(item)
         variable = getattr(item, "variable", None)  # AccumulateGrad
         if variable is not None:
-            result.leaves.add(id(variable))
+            result.leaves[id(variable)] = variable
             continue
         stack.extend(fn for fn, _ in item.next_functions)
     return result

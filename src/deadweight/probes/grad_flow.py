@@ -146,9 +146,15 @@ def measure_grad_flow(
             reached = loss_walk.leaves
             if has_graph:
                 watch = autograd_graph.DropWatch(loss_walk.nodes)
+                # Not `backward(inputs=...)`: reentrant checkpointing refuses it. Other
+                # leaves (inputs that require grad) keep their .grad as the params do.
+                others = [t for i, t in loss_walk.leaves.items() if i not in names_by_id]
+                saved = [t.grad for t in others]
+                for t in others:
+                    t.grad = None
                 try:
                     with watch:
-                        torch.autograd.backward(loss, inputs=[p for _, p in trainable])
+                        loss.backward()
                 except RuntimeError as exc:
                     match = _NO_FORMULA.search(str(exc))
                     if match is None:
@@ -159,6 +165,9 @@ def measure_grad_flow(
                         cuts.append(_node_cut(node, range(len(node.next_functions)),
                                               "custom-op-no-autograd", tracer, names_by_id))
                     reached = autograd_graph.walk([loss.grad_fn], stop=frozenset(bad)).leaves
+                finally:
+                    for t, g in zip(others, saved):
+                        t.grad = g
                 for drop in watch.drops:
                     kind = ("dropped-in-backward"
                             if isinstance(drop.node, torch.autograd.function.BackwardCFunction)

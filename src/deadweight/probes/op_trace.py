@@ -91,6 +91,7 @@ class OpTracer(TorchFunctionMode):
         self.scalar_origins: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._taint: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._py_taint: dict[int, tuple[object, frozenset[int]]] = {}
+        self._ptr_taint: dict[int, frozenset[int]] = {}
         self._functions: list[_FunctionCall] = []
         self._saved_apply: Any = None
 
@@ -169,6 +170,9 @@ class OpTracer(TorchFunctionMode):
                 taint = (taint or frozenset()) | {event.index}
         if taint and isinstance(out, _PY_VALUE_TYPES):
             self._py_taint[id(out)] = (out, taint)
+            if isinstance(out, np.ndarray):
+                # torch.from_numpy is invisible to the mode; its tensor shares this memory.
+                self._ptr_taint[out.__array_interface__["data"][0]] = taint
         return out
 
     # -- autograd.Function -------------------------------------------------------
@@ -241,6 +245,8 @@ class OpTracer(TorchFunctionMode):
         for value in _flat_args(args, kwargs):
             if isinstance(value, Tensor):
                 t = self._taint.get(value)
+                if t is None and self._ptr_taint and value.device.type == "cpu":
+                    t = self._ptr_taint.get(value.data_ptr())
                 if t:
                     found |= t
             elif self._py_taint:
