@@ -165,7 +165,9 @@ class Selection:
     ignore: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, select: Iterable[str] | None = None, ignore: Iterable[str] | None = None) -> Selection:
+    def of(
+        cls, select: Iterable[str] | None = None, ignore: Iterable[str] | None = None
+    ) -> Selection:
         sel, ign = _normalise(select or ()), _normalise(ignore or ())
         _load()
         unknown = [e for e in (*sel, *ign) if not _matches_any_rule(e)]
@@ -176,7 +178,9 @@ class Selection:
         return cls(sel, ign)
 
     def keeps(self, finding: Finding) -> bool:
-        if self.select and not any(_entry_matches(e, finding.code, finding.name) for e in self.select):
+        if self.select and not any(
+            _entry_matches(e, finding.code, finding.name) for e in self.select
+        ):
             return False
         return not any(_entry_matches(e, finding.code, finding.name) for e in self.ignore)
 

@@ -77,8 +77,13 @@ class DecoratedNoGrad(Block):
 
 def test_kernel_decorated_with_no_grad():
     model = DecoratedNoGrad()
-    _, dw102 = assert_cut(run(model), "no-grad", {"first.weight", "first.bias", "gain"},
-                          marker_line(fused_scale, "CUT-decorated"), model)
+    _, dw102 = assert_cut(
+        run(model),
+        "no-grad",
+        {"first.weight", "first.bias", "gain"},
+        marker_line(fused_scale, "CUT-decorated"),
+        model,
+    )
     assert dw102.location.function == "fused_scale"
     assert "DecoratedNoGrad.forward" in dw102.evidence["called_from"]
     assert dw102.location.module == ""  # the root module was running
@@ -95,8 +100,13 @@ class NoGradBlock(Block):
 
 def test_no_grad_block_in_forward():
     model = NoGradBlock()
-    assert_cut(run(model), "no-grad", {"first.weight", "first.bias"},
-               marker_line(NoGradBlock, "CUT-block"), model)
+    assert_cut(
+        run(model),
+        "no-grad",
+        {"first.weight", "first.bias"},
+        marker_line(NoGradBlock, "CUT-block"),
+        model,
+    )
 
 
 class InferenceModeBlock(Block):
@@ -109,8 +119,12 @@ class InferenceModeBlock(Block):
 
 def test_inference_mode_block():
     model = InferenceModeBlock()
-    assert_cut(run(model), "inference-mode", {"first.weight", "first.bias"},
-               marker_line(InferenceModeBlock, "CUT-inference"))
+    assert_cut(
+        run(model),
+        "inference-mode",
+        {"first.weight", "first.bias"},
+        marker_line(InferenceModeBlock, "CUT-inference"),
+    )
 
 
 # --- detach, .data, Python round trips ---------------------------------------------------
@@ -124,8 +138,13 @@ class Detach(Block):
 
 def test_detach():
     model = Detach()
-    assert_cut(run(model), "detach", {"first.weight", "first.bias"},
-               marker_line(Detach, "CUT-detach"), model)
+    assert_cut(
+        run(model),
+        "detach",
+        {"first.weight", "first.bias"},
+        marker_line(Detach, "CUT-detach"),
+        model,
+    )
 
 
 class InplaceDetach(Block):
@@ -136,8 +155,12 @@ class InplaceDetach(Block):
 
 
 def test_inplace_detach():
-    assert_cut(run(InplaceDetach()), "detach", {"first.weight", "first.bias"},
-               marker_line(InplaceDetach, "CUT-detach_"))
+    assert_cut(
+        run(InplaceDetach()),
+        "detach",
+        {"first.weight", "first.bias"},
+        marker_line(InplaceDetach, "CUT-detach_"),
+    )
 
 
 class DataAccess(Block):
@@ -148,8 +171,13 @@ class DataAccess(Block):
 
 def test_data_attribute():
     model = DataAccess()
-    assert_cut(run(model), "data", {"first.weight", "first.bias"},
-               marker_line(DataAccess, "CUT-data"), model)
+    assert_cut(
+        run(model),
+        "data",
+        {"first.weight", "first.bias"},
+        marker_line(DataAccess, "CUT-data"),
+        model,
+    )
 
 
 class ItemRoundTrip(Block):
@@ -160,8 +188,13 @@ class ItemRoundTrip(Block):
 
 def test_item_round_trip():
     model = ItemRoundTrip()
-    _, dw102 = assert_cut(run(model), "item", {"first.weight", "first.bias"},
-                          marker_line(ItemRoundTrip, "CUT-item"), model)
+    _, dw102 = assert_cut(
+        run(model),
+        "item",
+        {"first.weight", "first.bias"},
+        marker_line(ItemRoundTrip, "CUT-item"),
+        model,
+    )
     assert dw102.evidence["result_reaches_loss"] is True
 
 
@@ -173,8 +206,13 @@ class TolistRoundTrip(Block):
 
 def test_tolist_round_trip():
     model = TolistRoundTrip()
-    _, dw102 = assert_cut(run(model), "tolist", {"first.weight", "first.bias"},
-                          marker_line(TolistRoundTrip, "CUT-tolist"), model)
+    _, dw102 = assert_cut(
+        run(model),
+        "tolist",
+        {"first.weight", "first.bias"},
+        marker_line(TolistRoundTrip, "CUT-tolist"),
+        model,
+    )
     assert dw102.evidence["result_reaches_loss"] is True
 
 
@@ -187,8 +225,13 @@ class NumpyRoundTrip(Block):
 def test_numpy_round_trip_is_reported_at_its_detach():
     # x.numpy() on a tensor that requires grad raises; the silent form detaches first.
     model = NumpyRoundTrip()
-    assert_cut(run(model), "detach", {"first.weight", "first.bias"},
-               marker_line(NumpyRoundTrip, "CUT-numpy"), model)
+    assert_cut(
+        run(model),
+        "detach",
+        {"first.weight", "first.bias"},
+        marker_line(NumpyRoundTrip, "CUT-numpy"),
+        model,
+    )
 
 
 class RebuiltTensor(Block):
@@ -202,8 +245,12 @@ class RebuiltTensor(Block):
 
 def test_tensor_rebuilt_with_torch_tensor():
     model = RebuiltTensor()
-    assert_cut(run(model), "rebuilt-tensor", {"first.weight", "first.bias"},
-               marker_line(RebuiltTensor, "CUT-rebuilt"))
+    assert_cut(
+        run(model),
+        "rebuilt-tensor",
+        {"first.weight", "first.bias"},
+        marker_line(RebuiltTensor, "CUT-rebuilt"),
+    )
 
 
 class HardRouting(nn.Module):
@@ -222,8 +269,13 @@ class HardRouting(nn.Module):
 
 def test_non_differentiable_op():
     model = HardRouting()
-    assert_cut(run(model), "non-differentiable", {"router.weight", "router.bias"},
-               marker_line(HardRouting, "CUT-argmax"), model)
+    assert_cut(
+        run(model),
+        "non-differentiable",
+        {"router.weight", "router.bias"},
+        marker_line(HardRouting, "CUT-argmax"),
+        model,
+    )
 
 
 # --- autograd.Function and custom ops ----------------------------------------------------
@@ -249,8 +301,13 @@ class MarkedNonDifferentiable(Block):
 
 def test_function_marking_output_non_differentiable():
     model = MarkedNonDifferentiable()
-    _, dw102 = assert_cut(run(model), "function", {"first.weight", "first.bias"},
-                          marker_line(MarkedNonDifferentiable, "CUT-function"), model)
+    _, dw102 = assert_cut(
+        run(model),
+        "function",
+        {"first.weight", "first.bias"},
+        marker_line(MarkedNonDifferentiable, "CUT-function"),
+        model,
+    )
     assert "NonDiffFunction" in dw102.message
 
 
@@ -272,8 +329,13 @@ class NoneReturningFunction(Block):
 
 def test_function_returning_none_for_an_input():
     model = NoneReturningFunction()
-    _, dw102 = assert_cut(run(model), "dropped-in-backward", {"first.weight", "first.bias"},
-                          marker_line(NoneReturningFunction, "CUT-none"), model)
+    _, dw102 = assert_cut(
+        run(model),
+        "dropped-in-backward",
+        {"first.weight", "first.bias"},
+        marker_line(NoneReturningFunction, "CUT-none"),
+        model,
+    )
     assert "NoneBackward" in dw102.message
 
 
@@ -295,7 +357,7 @@ def test_legitimate_functions_are_not_cuts():
     assert not report.findings
 
 
-_LIB = torch.library.Library("deadweight_test", "DEF")  # noqa: TID251 - the legacy API on purpose
+_LIB = torch.library.Library("deadweight_test", "DEF")
 _LIB.define("scale2(Tensor x) -> Tensor")
 
 
@@ -319,8 +381,12 @@ def test_legacy_library_op_without_autograd_kernel():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the op warns once at backward
         report = run(model)
-    _, dw102 = assert_cut(report, "no-autograd-kernel", {"first.weight", "first.bias"},
-                          marker_line(LegacyOp, "CUT-legacy"))
+    _, dw102 = assert_cut(
+        report,
+        "no-autograd-kernel",
+        {"first.weight", "first.bias"},
+        marker_line(LegacyOp, "CUT-legacy"),
+    )
     assert "deadweight_test::scale2" in dw102.message
 
 
@@ -342,8 +408,12 @@ class CustomOp(Block):
 def test_custom_op_without_autograd_is_a_finding_not_a_crash():
     model = CustomOp()
     report = run(model)
-    _, dw102 = assert_cut(report, "custom-op-no-autograd", {"first.weight", "first.bias"},
-                          marker_line(CustomOp, "CUT-custom"))
+    _, dw102 = assert_cut(
+        report,
+        "custom-op-no-autograd",
+        {"first.weight", "first.bias"},
+        marker_line(CustomOp, "CUT-custom"),
+    )
     assert "deadweight_test::triple" in dw102.message
     assert "no autograd formula" in dw102.evidence["backward_error"]
 
@@ -367,8 +437,12 @@ def test_reentrant_checkpoint_without_input_requiring_grad():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's own "None of the inputs have requires_grad"
         report = run(model)
-    assert_cut(report, "reentrant-checkpoint", {"body.0.weight", "body.0.bias"},
-               marker_line(ReentrantCheckpoint, "CUT-checkpoint"))
+    assert_cut(
+        report,
+        "reentrant-checkpoint",
+        {"body.0.weight", "body.0.bias"},
+        marker_line(ReentrantCheckpoint, "CUT-checkpoint"),
+    )
 
 
 def test_reentrant_checkpoint_with_input_requiring_grad_is_fine():
@@ -403,8 +477,9 @@ class UnusedAuxHead(nn.Module):
 def test_module_output_never_reaches_the_loss():
     model = UnusedAuxHead()
     params = {"aux.0.weight", "aux.0.bias", "aux.2.weight", "aux.2.bias"}
-    _, dw102 = assert_cut(run(model), "output-unused", params,
-                          marker_line(UnusedAuxHead, "CUT-aux"), model)
+    _, dw102 = assert_cut(
+        run(model), "output-unused", params, marker_line(UnusedAuxHead, "CUT-aux"), model
+    )
     assert dw102.location.module == "aux"  # the outermost module whose output was dropped
 
 
@@ -423,6 +498,7 @@ def test_module_that_never_ran():
     report = run(model)
     dw101, dw102 = assert_cut(report, "never-ran", {"pooler.weight", "pooler.bias"}, None, model)
     assert dw102.location.module == "pooler"
+    assert dw101.severity is deadweight.Severity.WARNING
     assert dw102.severity is deadweight.Severity.WARNING  # often data-dependent routing
 
 
@@ -448,8 +524,9 @@ def test_loss_without_grad_fn_under_no_grad():
     dw102 = only(report, "DW102")
     assert set(dw101.params) == {n for n, _ in model.named_parameters()}
     assert dw102.evidence["kind"] == "loss-no-grad-fn"
-    assert dw102.location.line == marker_line(test_loss_without_grad_fn_under_no_grad,
-                                              "CUT-loss-nograd")
+    assert dw102.location.line == marker_line(
+        test_loss_without_grad_fn_under_no_grad, "CUT-loss-nograd"
+    )
     assert dw102.evidence["grad_enabled_when_computed"] is False
 
 
@@ -505,7 +582,7 @@ class Deep(nn.Module):
         self.out = nn.Linear(8, 1)
 
     def forward(self, x):
-        for norm, mlp in zip(self.norms, self.mlps):
+        for norm, mlp in zip(self.norms, self.mlps, strict=True):
             x = x + mlp(norm(x))
         return self.out(x)
 
@@ -557,8 +634,10 @@ def test_frozen_parameters_are_not_reported():
     assert not run(model).findings
 
 
-@pytest.mark.parametrize("select,expected", [("DW102", {"DW102"}), ("no-gradient", {"DW101"}),
-                                             ("DW1", {"DW101", "DW102"})])
+@pytest.mark.parametrize(
+    "select,expected",
+    [("DW102", {"DW102"}), ("no-gradient", {"DW101"}), ("DW1", {"DW101", "DW102"})],
+)
 def test_select(select, expected):
     model = Detach()
     report = deadweight.check(model, lambda: F.mse_loss(model(X), Y), select=[select])

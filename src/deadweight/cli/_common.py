@@ -14,15 +14,27 @@ FAIL_ON_CHOICES = ("error", "warning", "info", "never")
 
 
 def add_report_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="output format (default: text)")
-    parser.add_argument("--fail-on", choices=FAIL_ON_CHOICES, default="warning",
-                        help="exit with 1 when a finding at or above this severity is found "
-                        "(default: warning)")
-    parser.add_argument("--select", action="append", metavar="RULES",
-                        help="only these rules: codes, code prefixes or names, comma-separated")
-    parser.add_argument("--ignore", action="append", metavar="RULES",
-                        help="skip these rules: codes, code prefixes or names, comma-separated")
+    parser.add_argument(
+        "--format", choices=("text", "json"), default="text", help="output format (default: text)"
+    )
+    parser.add_argument(
+        "--fail-on",
+        choices=FAIL_ON_CHOICES,
+        default="warning",
+        help="exit with 1 when a finding at or above this severity is found (default: warning)",
+    )
+    parser.add_argument(
+        "--select",
+        action="append",
+        metavar="RULES",
+        help="only these rules: codes, code prefixes or names, comma-separated",
+    )
+    parser.add_argument(
+        "--ignore",
+        action="append",
+        metavar="RULES",
+        help="skip these rules: codes, code prefixes or names, comma-separated",
+    )
 
 
 def emit(report: Report, args: argparse.Namespace) -> int:

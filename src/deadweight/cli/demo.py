@@ -16,8 +16,12 @@ HELP = "run the seed incidents and show what deadweight reports for them"
 
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("demo", help=HELP, description=HELP + ".")
-    parser.add_argument("--steps", type=int, default=fused_rmsnorm.STEPS,
-                        help=f"training steps per path (default: {fused_rmsnorm.STEPS})")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=fused_rmsnorm.STEPS,
+        help=f"training steps per path (default: {fused_rmsnorm.STEPS})",
+    )
     parser.set_defaults(run=run)
 
 

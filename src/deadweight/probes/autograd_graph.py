@@ -6,7 +6,7 @@ reachable through `next_functions` after backward (only saved tensors are freed)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,11 +82,13 @@ class DropWatch:
             handle.remove()
         self._handles = []
 
-    def _hook_for(self, node: Any):  # type: ignore[no-untyped-def]
+    def _hook_for(self, node: Any) -> Callable[[tuple, tuple], None]:
         def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
             missing = [
                 i
-                for i, (grad, (fn, _)) in enumerate(zip(grad_inputs, node.next_functions))
+                for i, (grad, (fn, _)) in enumerate(
+                    zip(grad_inputs, node.next_functions, strict=False)
+                )
                 if grad is None and fn is not None
             ]
             if missing:

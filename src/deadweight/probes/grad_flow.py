@@ -162,16 +162,25 @@ def measure_grad_flow(
                     backward_error = str(exc).splitlines()[0]
                     bad = autograd_graph.raising_nodes(loss_walk.nodes, match.group(1))
                     for node in bad:
-                        cuts.append(_node_cut(node, range(len(node.next_functions)),
-                                              "custom-op-no-autograd", tracer, names_by_id))
+                        cuts.append(
+                            _node_cut(
+                                node,
+                                range(len(node.next_functions)),
+                                "custom-op-no-autograd",
+                                tracer,
+                                names_by_id,
+                            )
+                        )
                     reached = autograd_graph.walk([loss.grad_fn], stop=frozenset(bad)).leaves
                 finally:
-                    for t, g in zip(others, saved):
+                    for t, g in zip(others, saved, strict=True):
                         t.grad = g
                 for drop in watch.drops:
-                    kind = ("dropped-in-backward"
-                            if isinstance(drop.node, torch.autograd.function.BackwardCFunction)
-                            else "no-autograd-kernel")
+                    kind = (
+                        "dropped-in-backward"
+                        if isinstance(drop.node, torch.autograd.function.BackwardCFunction)
+                        else "no-autograd-kernel"
+                    )
                     cuts.append(_node_cut(drop.node, drop.inputs, kind, tracer, names_by_id))
 
             if backward_error is None:
@@ -188,16 +197,27 @@ def measure_grad_flow(
                     _, loss_site, site_grad_enabled = origin
                 else:
                     loss_site = definition_site(loss_fn)
-                cuts.append(Cut("loss-no-grad-fn", None, loss_site, None,
-                                frozenset(n for n, _ in trainable)))
+                cuts.append(
+                    Cut(
+                        "loss-no-grad-fn", None, loss_site, None, frozenset(n for n, _ in trainable)
+                    )
+                )
 
             loss_taint = tracer.taint_of(loss)
             for event in tracer.events:
                 params = _upstream_params(event.roots, loss_walk.nodes, names_by_id)
                 if params:
-                    cuts.append(Cut(event.kind, event.op, event.site, event.module, params,
-                                    flows_to_loss=event.index in loss_taint,
-                                    caller=event.caller))
+                    cuts.append(
+                        Cut(
+                            event.kind,
+                            event.op,
+                            event.site,
+                            event.module,
+                            params,
+                            flows_to_loss=event.index in loss_taint,
+                            caller=event.caller,
+                        )
+                    )
             cuts.extend(_module_cuts(model, modules, loss_walk.nodes, names_by_id, trainable))
 
     value = float(loss.detach().float().item()) if loss.numel() == 1 else None
@@ -241,7 +261,9 @@ def _validated_params(
             f"loss_fn must be a zero-argument callable returning the loss, got {type(loss_fn).__name__}"
         )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise InputError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise InputError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     named = list(model.named_parameters())
     meta = [n for n, p in named if p.is_meta]
     if meta:
@@ -261,7 +283,7 @@ def _validated_params(
 def _validated_loss(raw: Any) -> torch.Tensor:
     if not isinstance(raw, torch.Tensor):
         hint = ""
-        if isinstance(raw, dict) and "loss" in raw or hasattr(raw, "loss"):
+        if (isinstance(raw, dict) and "loss" in raw) or hasattr(raw, "loss"):
             hint = " (it has a `loss` field: return that, e.g. `lambda: model(**batch).loss`)"
         raise InputError(
             f"loss_fn must return the scalar loss tensor, got {type(raw).__name__}{hint}"
@@ -298,8 +320,14 @@ def _node_cut(
     )
     origin = tracer.node_origins.get(node)
     op = origin.op if origin else type(node).__name__
-    return Cut(kind, op, origin.site if origin else None, origin.module if origin else None,
-               params, detail=f"input(s) {list(inputs)} of {type(node).__name__}")
+    return Cut(
+        kind,
+        op,
+        origin.site if origin else None,
+        origin.module if origin else None,
+        params,
+        detail=f"input(s) {list(inputs)} of {type(node).__name__}",
+    )
 
 
 def _module_cuts(
@@ -325,19 +353,29 @@ def _module_cuts(
             if parent in ran or (parent == "" and "" not in ran):
                 params = params_under(path)
                 if params:
-                    cuts.append(Cut("never-ran", type(module).__name__, definition_site(module),
-                                    path, params))
+                    cuts.append(
+                        Cut(
+                            "never-ran",
+                            type(module).__name__,
+                            definition_site(module),
+                            path,
+                            params,
+                        )
+                    )
             continue
         record = ran[path]
         if record.output_nodes and not any(n in loss_nodes for n in record.output_nodes):
             params = params_under(path)
             if params:
-                cuts.append(Cut("output-unused", type(module).__name__, record.call_site, path,
-                                params))
+                cuts.append(
+                    Cut("output-unused", type(module).__name__, record.call_site, path, params)
+                )
         if record.cut_roots:
             params = _upstream_params(record.cut_roots, loss_nodes, names_by_id)
             if params:
-                cuts.append(Cut("module-cut", type(module).__name__, record.call_site, path, params))
+                cuts.append(
+                    Cut("module-cut", type(module).__name__, record.call_site, path, params)
+                )
     return cuts
 
 
@@ -345,5 +383,12 @@ def _few(names: list[str], n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-__all__ = ["CUT_KINDS", "Cut", "GradFlowStats", "LossInfo", "ParamInfo", "measure_grad_flow",
-           "tensors_in"]
+__all__ = [
+    "CUT_KINDS",
+    "Cut",
+    "GradFlowStats",
+    "LossInfo",
+    "ParamInfo",
+    "measure_grad_flow",
+    "tensors_in",
+]

@@ -119,7 +119,9 @@ class OpTracer(TorchFunctionMode):
         return entry[1] if entry is not None and entry[0] is value else frozenset()
 
     # -- the mode ----------------------------------------------------------------
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         pre_roots = _grad_roots(args, kwargs) if func is _DETACH_INPLACE else None
         out = func(*args, **kwargs)
@@ -181,7 +183,7 @@ class OpTracer(TorchFunctionMode):
         self._saved_apply = original
         tracer = self
 
-        def apply(cls, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
             return tracer._traced_apply(original.__func__, cls, args, kwargs)
 
         torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
@@ -191,7 +193,9 @@ class OpTracer(TorchFunctionMode):
             torch.autograd.Function.apply = self._saved_apply  # type: ignore[method-assign]
             self._saved_apply = None
 
-    def _traced_apply(self, original: Callable[..., Any], cls: type, args: tuple, kwargs: dict) -> Any:
+    def _traced_apply(
+        self, original: Callable[..., Any], cls: type, args: tuple, kwargs: dict
+    ) -> Any:
         outer = bool(self._functions)
         call = _FunctionCall(cls)
         self._functions.append(call)
@@ -238,7 +242,9 @@ class OpTracer(TorchFunctionMode):
         return event
 
     def _remember_node(self, node: Any, op: str) -> None:
-        self.node_origins[node] = NodeOrigin(op, user_site(sys._getframe(1)), self._current_module())
+        self.node_origins[node] = NodeOrigin(
+            op, user_site(sys._getframe(1)), self._current_module()
+        )
 
     def _incoming_taint(self, args: tuple, kwargs: dict) -> frozenset[int] | None:
         found: frozenset[int] = frozenset()
@@ -320,11 +326,11 @@ def _op_name(func: Any) -> str:
     owner = getattr(func, "__self__", None)
     if owner is not None and type(owner).__name__ == "getset_descriptor":
         return f"Tensor.{owner.__name__}"
-    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-    name = getattr(func, "__name__", qualname)
+    qualname = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
+    name = str(getattr(func, "__name__", qualname))
     if qualname.startswith(("TensorBase.", "Tensor.")):
         return "Tensor." + qualname.split(".", 1)[1]
-    module = getattr(func, "__module__", None) or ""
+    module = str(getattr(func, "__module__", None) or "")
     if module == "torch._C._nn" or module.startswith("torch.nn.functional"):
         return f"torch.nn.functional.{name}"
     if module.startswith("torch") or qualname.startswith("_VariableFunctionsClass"):

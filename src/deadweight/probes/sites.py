@@ -14,9 +14,7 @@ import deadweight
 # Frames from these directories are never "the user's line": torch's own code (the
 # no_grad decorator wrapper, nn.Module.__call__, checkpoint) and deadweight's.
 _SKIPPED_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in (torch, deadweight)
-    if m.__file__
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, deadweight) if m.__file__
 )
 # ...except the demo models that ship inside the package: their lines are the story.
 _DEMOS_DIR = os.path.join(_SKIPPED_DIRS[-1], "demos") + os.sep
@@ -43,7 +41,7 @@ def _is_internal(filename: str) -> bool:
 
 def user_frame(start: FrameType | None = None) -> FrameType | None:
     """The innermost frame outside torch and deadweight, walking outward from `start`."""
-    frame = start if start is not None else sys._getframe(1)
+    frame: FrameType | None = start if start is not None else sys._getframe(1)
     while frame is not None:
         if not _is_internal(frame.f_code.co_filename):
             return frame
@@ -69,8 +67,8 @@ def definition_site(obj: object) -> Site | None:
 
     target = obj if inspect.isclass(obj) or inspect.isfunction(obj) else type(obj)
     try:
-        file = inspect.getsourcefile(target)  # type: ignore[arg-type]
-        _, line = inspect.getsourcelines(target)  # type: ignore[arg-type]
+        file = inspect.getsourcefile(target)
+        _, line = inspect.getsourcelines(target)
     except (OSError, TypeError):
         return None
     if file is None:

@@ -31,7 +31,7 @@ def preserved(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g
         _restore_buffers(buffers)
         for m, training in modes:

@@ -81,7 +81,9 @@ def _footer(report: Report) -> Text:
     counts = report.counts()
     if not report.findings:
         return Text("no findings", style="green")
-    parts = [f"{n} {sev}{'s' if n != 1 and sev != 'info' else ''}" for sev, n in counts.items() if n]
+    parts = [
+        f"{n} {sev}{'s' if n != 1 and sev != 'info' else ''}" for sev, n in counts.items() if n
+    ]
     return Text(", ".join(reversed(parts)), style="bold red" if not report.ok else "bold")
 
 

@@ -93,13 +93,13 @@ def no_gradient(stats: GradFlowStats) -> Iterator[Finding]:
     """
     explanation = explain(stats)
     by_cause: dict[tuple[int, ...], list[str]] = defaultdict(list)
-    for name, groups in explanation.by_param.items():
-        by_cause[groups].append(name)
+    for name, cause_ids in explanation.by_param.items():
+        by_cause[cause_ids].append(name)
     params = {p.name: p for p in stats.params}
     skipper = f" ({stats.optimizer} skips them silently)" if stats.optimizer else ""
 
     for cause, names in by_cause.items():
-        groups = [explanation.groups[i] for i in cause]
+        groups: list[CutGroup] = [explanation.groups[i] for i in cause]
         n = len(names)
         subject = f"{n} trainable parameter{'s' if n > 1 else ''} get{'' if n > 1 else 's'}"
         evidence: dict[str, object] = {
@@ -298,8 +298,9 @@ def _short_ref(group: CutGroup) -> str:
         return f"at module `{cut.module}`, which {CUT_KINDS[cut.kind].split(',')[0]}"
     if cut.site is None:
         return f"at {cut.op} ({cut.kind})"
-    return (f"at {os.path.basename(cut.site.file)}:{cut.site.line} in {cut.site.function} "
-            f"({cut.kind})")
+    return (
+        f"at {os.path.basename(cut.site.file)}:{cut.site.line} in {cut.site.function} ({cut.kind})"
+    )
 
 
 def _subject(group: CutGroup) -> str:
@@ -325,4 +326,3 @@ def _in_optimizer(names: list[str], params: dict) -> object:
     if all(f is None for f in flags):
         return None
     return sum(1 for f in flags if f)
-
