@@ -54,18 +54,23 @@ def _finding_panel(finding: Finding) -> Panel:
     table = Table.grid(padding=(0, 1))
     table.add_column(style="dim", no_wrap=True)
     table.add_column()
-    table.add_row("", Text(finding.message))
+    table.add_row("", _folding(finding.message))
     if finding.location and str(finding.location):
-        table.add_row("where", Text(str(finding.location)))
+        table.add_row("where", _folding(str(finding.location)))
     if finding.params:
-        table.add_row("params", Text(compress_names(finding.params)))
+        table.add_row("params", _folding(compress_names(finding.params)))
     evidence = _evidence_line(finding)
     if evidence:
-        table.add_row("evidence", Text(evidence))
+        table.add_row("evidence", _folding(evidence))
     if finding.fix:
-        table.add_row("fix", Text(finding.fix))
+        table.add_row("fix", _folding(finding.fix))
     title = f"[{style}]{finding.severity.value}[/] {finding.code} {escape(finding.name)}"
     return Panel(Group(table), title=title, title_align="left", border_style=style)
+
+
+def _folding(text: str) -> Text:
+    # Long paths have no spaces to wrap at: fold them rather than cut them off.
+    return Text(text, overflow="fold")
 
 
 def _evidence_line(finding: Finding) -> str:

@@ -188,8 +188,9 @@ def graph_cut(stats: GradFlowStats) -> Iterator[Finding]:
             f"{subject} {CUT_KINDS[kind]}; {n} parameter{'s' if n > 1 else ''} upstream "
             f"get{'' if n > 1 else 's'} no gradient."
         )
-        if group.location.file:
-            message = f"{group.location.file}:{group.location.line}: {message}"
+        if cut.site is not None:
+            where = f"{os.path.basename(cut.site.file)}:{cut.site.line} in {cut.site.function}"
+            message = f"{where}: {message}"
         evidence: dict[str, object] = {
             "kind": kind,
             "ops": sorted({c.op for c in group.cuts if c.op}),
@@ -310,8 +311,7 @@ def _subject(group: CutGroup) -> str:
     if cut.kind in ("never-ran", "output-unused", "module-cut"):
         return f"Module `{cut.module}` ({cut.op})"
     ops = sorted({c.op for c in group.cuts if c.op})
-    shown = ", ".join(ops[:3]) + (f" and {len(ops) - 3} more" if len(ops) > 3 else "")
-    return f"{shown} in {cut.site.function}" if cut.site else shown
+    return ", ".join(ops[:3]) + (f" and {len(ops) - 3} more" if len(ops) > 3 else "")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
