@@ -18,8 +18,8 @@ def check(
     loss_fn: Callable[[], Any],
     optimizer: torch.optim.Optimizer | None = None,
     *,
-    select: Iterable[str] | None = None,
-    ignore: Iterable[str] | None = None,
+    select: Iterable[str] | str | None = None,
+    ignore: Iterable[str] | str | None = None,
 ) -> Report:
     """Check that every trainable parameter of `model` gets a gradient, and why not.
 

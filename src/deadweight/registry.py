@@ -166,7 +166,7 @@ class Selection:
 
     @classmethod
     def of(
-        cls, select: Iterable[str] | None = None, ignore: Iterable[str] | None = None
+        cls, select: Iterable[str] | str | None = None, ignore: Iterable[str] | str | None = None
     ) -> Selection:
         sel, ign = _normalise(select or ()), _normalise(ignore or ())
         _load()
@@ -188,7 +188,9 @@ class Selection:
         return (f for f in findings if self.keeps(f))
 
 
-def _normalise(entries: Iterable[str]) -> tuple[str, ...]:
+def _normalise(entries: Iterable[str] | str) -> tuple[str, ...]:
+    if isinstance(entries, str):  # select="DW101" means one entry, not five characters
+        entries = [entries]
     out: list[str] = []
     for entry in entries:
         out.extend(part.strip() for part in entry.split(",") if part.strip())

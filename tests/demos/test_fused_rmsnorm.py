@@ -28,7 +28,9 @@ def runs():
 
 def test_both_paths_start_from_the_same_weights_and_loss(runs):
     a, b = fused_rmsnorm.make(False), fused_rmsnorm.make(True)
-    for (na, pa), (nb, pb) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+    for (na, pa), (nb, pb) in zip(
+        a.model.named_parameters(), b.model.named_parameters(), strict=True
+    ):
         assert na == nb and torch.equal(pa, pb)
     assert runs[False][1].losses[0] == runs[True][1].losses[0]
 

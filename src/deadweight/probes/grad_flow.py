@@ -8,6 +8,7 @@ the rules.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -22,7 +23,13 @@ from deadweight.probes import autograd_graph
 from deadweight.probes.module_trace import ModuleTracer
 from deadweight.probes.op_trace import OpTracer, tensors_in
 from deadweight.probes.sites import Site, definition_site
-from deadweight.probes.state import preserved
+from deadweight.probes.state import (
+    grads_set_aside,
+    post_accumulate_hooks_suspended,
+    preserved,
+)
+
+log = logging.getLogger(__name__)
 
 _NO_FORMULA = re.compile(r"Trying to backward through (\S+) but no autograd formula was registered")
 
@@ -78,7 +85,7 @@ CUT_KINDS = {
     "module-cut": "returned outputs without grad_fn although its inputs or parameters require grad",
     "never-ran": "never ran in this forward",
     "output-unused": "ran, but its output never reaches the loss",
-    "loss-no-grad-fn": "is the loss itself: it has no grad_fn, so backward cannot reach any parameter",
+    "loss-no-grad-fn": "has no grad_fn, so backward cannot reach any parameter",
 }
 
 
@@ -121,9 +128,14 @@ def measure_grad_flow(
     trainable = [(n, p) for n, p in named if p.requires_grad]
     in_opt = _optimizer_param_ids(optimizer)
 
-    with preserved(model):
+    versions = {id(p): p._version for _, p in named}
+    with preserved(model) as guard:
         modules = ModuleTracer(model)
-        tracer = OpTracer(modules.current)
+        tracer = OpTracer(
+            modules.current,
+            params={id(p): p for _, p in named},
+            before_param_write=guard.before_write,
+        )
         with torch.inference_mode(False), torch.enable_grad():
             try:
                 with modules, tracer:
@@ -145,44 +157,36 @@ def measure_grad_flow(
             backward_error = None
             reached = loss_walk.leaves
             if has_graph:
-                watch = autograd_graph.DropWatch(loss_walk.nodes)
-                # Not `backward(inputs=...)`: reentrant checkpointing refuses it. Other
-                # leaves (inputs that require grad) keep their .grad as the params do.
-                others = [t for i, t in loss_walk.leaves.items() if i not in names_by_id]
-                saved = [t.grad for t in others]
-                for t in others:
-                    t.grad = None
-                try:
-                    with watch:
-                        loss.backward()
-                except RuntimeError as exc:
-                    match = _NO_FORMULA.search(str(exc))
-                    if match is None:
-                        raise LossFnError(f"backward failed: {exc}") from exc
-                    backward_error = str(exc).splitlines()[0]
-                    bad = autograd_graph.raising_nodes(loss_walk.nodes, match.group(1))
-                    for node in bad:
-                        cuts.append(
-                            _node_cut(
-                                node,
-                                range(len(node.next_functions)),
-                                "custom-op-no-autograd",
-                                tracer,
-                                names_by_id,
-                            )
-                        )
-                    reached = autograd_graph.walk([loss.grad_fn], stop=frozenset(bad)).leaves
-                finally:
-                    for t, g in zip(others, saved, strict=True):
-                        t.grad = g
-                for drop in watch.drops:
-                    kind = (
-                        "dropped-in-backward"
-                        if isinstance(drop.node, torch.autograd.function.BackwardCFunction)
-                        else "no-autograd-kernel"
-                    )
-                    cuts.append(_node_cut(drop.node, drop.inputs, kind, tracer, names_by_id))
+                outside = {
+                    **{i: t for i, t in loss_walk.leaves.items() if i not in names_by_id},
+                    **{
+                        i: t
+                        for i, t in tracer.leaves_inside_functions.items()
+                        if i not in names_by_id
+                    },
+                }
+                backward_error, dropped_cuts, reached = _backward(
+                    loss,
+                    loss_walk,
+                    [p for _, p in trainable],
+                    list(outside.values()),
+                    tracer,
+                    names_by_id,
+                )
+                cuts.extend(dropped_cuts)
 
+            unrestorable = [
+                n for n, p in named if p._version != versions[id(p)] and not guard.guards(p)
+            ]
+            if unrestorable:
+                # Written in place by a call the tracer could not see into; copying every
+                # parameter up front to undo this would double the model's memory.
+                log.warning(
+                    "the forward wrote to %d parameter(s) in place (%s); their values "
+                    "could not be restored",
+                    len(unrestorable),
+                    _few(unrestorable),
+                )
             if backward_error is None:
                 has_grad = {id(p): p.grad is not None for _, p in trainable}
             else:  # backward stopped half-way: what would have arrived is what is reachable
@@ -251,6 +255,48 @@ def measure_grad_flow(
     )
 
 
+def _backward(
+    loss: torch.Tensor,
+    loss_walk: autograd_graph.GraphWalk,
+    params: list[nn.Parameter],
+    other_leaves: list[torch.Tensor],
+    tracer: OpTracer,
+    names_by_id: dict[int, str],
+) -> tuple[str | None, list[Cut], dict[int, torch.Tensor]]:
+    """One backward, watched; returns (error of a custom op without autograd, cuts, reached).
+
+    Not `backward(inputs=params)`: reentrant checkpointing refuses it. Instead the
+    .grad of every other leaf that backward will reach is set aside and restored,
+    and the parameters' post-accumulate-grad hooks (optimizer-in-backward steps
+    the optimizer there) are suspended for the duration.
+    """
+    cuts: list[Cut] = []
+    error = None
+    reached = loss_walk.leaves
+    watch = autograd_graph.DropWatch(loss_walk.nodes)
+    try:
+        with grads_set_aside(other_leaves), post_accumulate_hooks_suspended(params), watch:
+            loss.backward()
+    except RuntimeError as exc:
+        match = _NO_FORMULA.search(str(exc))
+        if match is None:
+            raise LossFnError(f"backward failed: {exc}") from exc
+        error = str(exc).splitlines()[0]
+        bad = autograd_graph.raising_nodes(loss_walk.nodes, match.group(1))
+        for node in bad:
+            inputs = range(len(node.next_functions))
+            cuts.append(_node_cut(node, inputs, "custom-op-no-autograd", tracer, names_by_id))
+        reached = autograd_graph.walk([loss.grad_fn], stop=frozenset(bad)).leaves
+    for drop in watch.drops:
+        kind = (
+            "dropped-in-backward"
+            if isinstance(drop.node, torch.autograd.function.BackwardCFunction)
+            else "no-autograd-kernel"
+        )
+        cuts.append(_node_cut(drop.node, drop.inputs, kind, tracer, names_by_id))
+    return error, cuts, reached
+
+
 def _validated_params(
     model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None
 ) -> list[tuple[str, nn.Parameter]]:
@@ -282,11 +328,13 @@ def _validated_params(
 
 def _validated_loss(raw: Any) -> torch.Tensor:
     if not isinstance(raw, torch.Tensor):
-        hint = ""
-        if (isinstance(raw, dict) and "loss" in raw) or hasattr(raw, "loss"):
-            hint = " (it has a `loss` field: return that, e.g. `lambda: model(**batch).loss`)"
         raise InputError(
-            f"loss_fn must return the scalar loss tensor, got {type(raw).__name__}{hint}"
+            f"loss_fn must return the scalar loss tensor, got {type(raw).__name__}{_hint(raw)}"
+        )
+    if raw.is_complex():
+        raise InputError(
+            f"loss_fn must return a real-valued loss, got a {raw.dtype} tensor; "
+            "reduce it to a real number the way your training does"
         )
     if raw.numel() != 1:
         raise InputError(
@@ -294,6 +342,21 @@ def _validated_loss(raw: Any) -> torch.Tensor:
             "reduce it the way your training does, e.g. with .mean()"
         )
     return raw
+
+
+def _hint(raw: Any) -> str:
+    if isinstance(raw, dict) and "loss" in raw:
+        loss = raw["loss"]
+    elif hasattr(raw, "loss"):
+        loss = raw.loss
+    else:
+        return ""
+    if loss is None:
+        return (
+            " whose `loss` is None: models compute a loss only when given labels, "
+            "e.g. `lambda: model(input_ids=ids, labels=ids).loss`"
+        )
+    return " (it has a `loss` field: return that, e.g. `lambda: model(**batch).loss`)"
 
 
 def _optimizer_param_ids(optimizer: torch.optim.Optimizer | None) -> set[int] | None:
@@ -345,25 +408,22 @@ def _module_cuts(
 
     cuts = []
     ran = modules.calls
+    # Containers (ModuleList, ModuleDict) are never called themselves: a module took
+    # part in the forward if it, or anything below it, ran.
+    took_part = {""} | {prefix for path in ran for prefix in _prefixes(path)}
     for path, module in model.named_modules():
         if not path:
             continue
-        parent = path.rpartition(".")[0]
-        if path not in ran:
-            if parent in ran or (parent == "" and "" not in ran):
+        if path not in took_part:
+            if path.rpartition(".")[0] in took_part:  # the outermost module that sat out
                 params = params_under(path)
                 if params:
-                    cuts.append(
-                        Cut(
-                            "never-ran",
-                            type(module).__name__,
-                            definition_site(module),
-                            path,
-                            params,
-                        )
-                    )
+                    site = definition_site(module)
+                    cuts.append(Cut("never-ran", type(module).__name__, site, path, params))
             continue
-        record = ran[path]
+        record = ran.get(path)
+        if record is None:
+            continue
         if record.output_nodes and not any(n in loss_nodes for n in record.output_nodes):
             params = params_under(path)
             if params:
@@ -377,6 +437,11 @@ def _module_cuts(
                     Cut("module-cut", type(module).__name__, record.call_site, path, params)
                 )
     return cuts
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def _few(names: list[str], n: int = 3) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.weak import WeakIdKeyDictionary
@@ -83,9 +84,19 @@ class _FunctionCall:
 class OpTracer(TorchFunctionMode):
     """Use as a context manager around the user's forward; read `events` afterwards."""
 
-    def __init__(self, current_module: Callable[[], str | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        current_module: Callable[[], str | None] = lambda: None,
+        params: dict[int, Tensor] | None = None,
+        before_param_write: Callable[[Tensor], None] | None = None,
+    ) -> None:
         super().__init__()
         self._current_module = current_module
+        self._params = params or {}
+        self._before_param_write = before_param_write
+        # Leaf tensors used inside autograd.Function forwards (reentrant checkpoint
+        # segments): backward reaches them, but the graph does not show them beforehand.
+        self.leaves_inside_functions: dict[int, Tensor] = {}
         self.events: list[CutEvent] = []
         self.node_origins: dict[Any, NodeOrigin] = {}
         self.scalar_origins: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -124,6 +135,11 @@ class OpTracer(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         pre_roots = _grad_roots(args, kwargs) if func is _DETACH_INPLACE else None
+        if self._before_param_write is not None and _writes_in_place(func, args, kwargs):
+            # e.g. nn.Embedding(max_norm=...) renormalises its weight in place
+            for value in _flat_args(args, kwargs):
+                if isinstance(value, Tensor) and id(value) in self._params:
+                    self._before_param_write(value)
         out = func(*args, **kwargs)
 
         if self._functions:
@@ -208,6 +224,9 @@ class OpTracer(TorchFunctionMode):
                 self._functions[-1].inner_roots.extend(_grad_roots(args, kwargs))
                 self._functions[-1].inner_roots.extend(call.inner_roots)
             return out
+        for root in call.inner_roots:
+            if isinstance(root, Tensor):
+                self.leaves_inside_functions[id(root)] = root
         outputs = list(_tensors_in(out))
         name = f"{cls.__module__}.{cls.__qualname__}"
         for o in outputs:
@@ -276,6 +295,18 @@ def _kind_for_tensor_op(func: Any, out: Tensor) -> str:
     if not (out.is_floating_point() or out.is_complex()):
         return "non-differentiable"
     return "other"
+
+
+def _writes_in_place(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a call may write to its tensor arguments (in-place ops, out=, renorming)."""
+    name = getattr(func, "__name__", "")
+    if (name.endswith("_") and not name.endswith("__")) or "out" in kwargs:
+        return True
+    # F.embedding(max_norm=...) renormalises rows of its weight in place, inside the
+    # call, where a mode no longer sees the in-place op.
+    return func is F.embedding and (
+        kwargs.get("max_norm") is not None or (len(args) > 3 and args[3] is not None)
+    )
 
 
 def _flat_args(args: tuple, kwargs: dict) -> Iterator[Any]:
