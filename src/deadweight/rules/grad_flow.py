@@ -109,7 +109,7 @@ def no_gradient(stats: GradFlowStats) -> Iterator[Finding]:
         }
         if groups:
             where = "; ".join(_short_ref(g) for g in groups)
-            message = f"{subject} no gradient{skipper}: the graph is cut {where} (DW102)."
+            message = f"{subject} no gradient{skipper}: the graph is cut {where}."
             evidence["explained_by"] = [
                 {"code": "DW102", "kind": g.first.kind, "location": g.location.to_dict()}
                 for g in groups
@@ -294,14 +294,13 @@ def model_in_eval_mode(stats: GradFlowStats) -> Iterator[Finding]:
 def _short_ref(group: CutGroup) -> str:
     cut = group.first
     if cut.kind == "loss-no-grad-fn":
-        return "at the loss itself, which has no grad_fn"
+        return "at the loss itself, which has no grad_fn (DW102)"
     if cut.kind in ("never-ran", "output-unused", "module-cut"):
-        return f"at module `{cut.module}`, which {CUT_KINDS[cut.kind].split(',')[0]}"
+        return f"at module `{cut.module}`, which {CUT_KINDS[cut.kind].split(',')[0]} (DW102)"
     if cut.site is None:
-        return f"at {cut.op} ({cut.kind})"
-    return (
-        f"at {os.path.basename(cut.site.file)}:{cut.site.line} in {cut.site.function} ({cut.kind})"
-    )
+        return f"at {cut.op} ({cut.kind}, DW102)"
+    where = f"{os.path.basename(cut.site.file)}:{cut.site.line} in {cut.site.function}"
+    return f"at {where} ({cut.kind}, DW102)"
 
 
 def _subject(group: CutGroup) -> str:
