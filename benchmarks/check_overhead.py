@@ -1,8 +1,10 @@
 """What `deadweight.check` costs next to one plain forward+backward of the same batch.
 
 The model is transformers' GPT-2 code with a ~20M-parameter random config (no
-download). The two variants run interleaved (plain, check, plain, check, ...) so
-machine noise hits both alike; the figure is the median of the per-pair ratios.
+download), once healthy (the check finds nothing) and once with every LayerNorm run
+as a no-grad "fused" kernel (the check traces and reports the cuts). The variants
+run interleaved (plain, check, plain, check, ...) so machine noise hits both alike;
+each figure is the median of the per-pair ratios.
 
     python benchmarks/check_overhead.py [--pairs 15] [--threads 2]
 """
@@ -14,9 +16,12 @@ import statistics
 import time
 
 import torch
+import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import deadweight
+
+transformers.logging.set_verbosity_error()  # config chatter, not results
 
 
 def build(batch: int, seq: int) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -36,6 +41,14 @@ def build(batch: int, seq: int) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, ids
 
 
+def fuse_layernorms(model: torch.nn.Module) -> int:
+    """Run every LayerNorm under no_grad, as a kernel without backward would."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    for norm in norms:
+        norm.forward = torch.no_grad()(norm.forward)  # type: ignore[method-assign]
+    return len(norms)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=15)
@@ -46,44 +59,51 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     model, ids = build(args.batch, args.seq)
+    broken, _ = build(args.batch, args.seq)
+    n_fused = fuse_layernorms(broken)
     n_params = sum(p.numel() for p in model.parameters())
 
-    def loss_fn() -> torch.Tensor:
-        return model(input_ids=ids, labels=ids).loss
+    def plain(m: torch.nn.Module) -> None:
+        m.zero_grad(set_to_none=True)
+        m(input_ids=ids, labels=ids).loss.backward()
 
-    def plain() -> None:
-        model.zero_grad(set_to_none=True)
-        loss_fn().backward()
+    def check(m: torch.nn.Module, expect_findings: bool) -> None:
+        report = deadweight.check(m, lambda: m(input_ids=ids, labels=ids).loss)
+        assert bool(report.by_code("DW102")) == expect_findings, report
 
-    def check() -> None:
-        report = deadweight.check(model, loss_fn)
-        assert not report.findings, report  # a healthy model: the check must be silent
-
-    def timed(fn) -> float:  # type: ignore[no-untyped-def]
+    def timed(fn, *a) -> float:  # type: ignore[no-untyped-def]
         start = time.perf_counter()
-        fn()
+        fn(*a)
         return time.perf_counter() - start
 
-    for _ in range(2):  # warm-up: allocator, thread pool, first-call caches
-        timed(plain)
-        timed(check)
+    variants = {
+        "healthy": (model, False),
+        f"{n_fused} LayerNorms fused (cuts found)": (broken, True),
+    }
+    for m, expect in variants.values():  # warm-up: allocator, thread pool, first-call caches
+        for _ in range(2):
+            timed(plain, m)
+            timed(check, m, expect)
 
-    ratios = []
+    ratios: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.pairs):
-        a = timed(plain)
-        b = timed(check)
-        ratios.append(b / a)
+        for name, (m, expect) in variants.items():
+            a = timed(plain, m)
+            b = timed(check, m, expect)
+            ratios[name].append(b / a)
 
-    ratios.sort()
-    q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
     print(
         f"model: transformers GPT2LMHeadModel, {n_params / 1e6:.1f}M parameters, "
         f"batch {args.batch}x{args.seq}, {args.threads} threads, torch {torch.__version__}"
     )
     print(
-        f"check / plain forward+backward, median of {args.pairs} interleaved pairs: "
-        f"{statistics.median(ratios):.2f}x (interquartile {q1:.2f}x-{q3:.2f}x)"
+        f"check / plain forward+backward of the same model, median of {args.pairs} "
+        "interleaved pairs:"
     )
+    for name, values in ratios.items():
+        values.sort()
+        q1, q3 = values[len(values) // 4], values[(3 * len(values)) // 4]
+        print(f"  {name:<32} {statistics.median(values):.2f}x (interquartile {q1:.2f}x-{q3:.2f}x)")
 
 
 if __name__ == "__main__":

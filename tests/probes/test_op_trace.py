@@ -104,3 +104,29 @@ def test_op_names():
     assert _op_name(torch.nn.functional.linear) == "torch.nn.functional.linear"
     assert _op_name(torch.ops.aten.mul.Tensor) == "aten::mul.Tensor"
     assert _op_name(torch._C.TensorBase.__dict__["data"].__get__) == "Tensor.data"
+
+
+def test_metadata_of_a_cut_result_carries_no_taint():
+    # x.size(-1) is the interned int 3: tainting it would taint every later use of 3.
+    w = torch.randn(3, requires_grad=True)
+    with OpTracer() as tracer:
+        d = w.detach()
+        n = d.size(-1)
+        unrelated = torch.ones(n) * 2
+    assert tracer.events and tracer.taint_of(unrelated) == frozenset()
+
+
+def test_a_cut_drops_earlier_cuts_that_reach_it_through_a_graph():
+    w = torch.randn(3, requires_grad=True)
+    v = torch.randn(3, requires_grad=True)
+    with OpTracer() as tracer:
+        first = w.detach()  # event 0
+        mixed = first * v  # has a graph again (through v), carries event 0
+        with torch.no_grad():
+            second = mixed * 2  # event 1: cuts `mixed`; fixing event 0 alone changes nothing
+        kernel = second + 1
+        with torch.no_grad():
+            third = kernel * v  # event 2: its no-grad input chains events 1 and 2
+    assert tracer.taint_of(mixed) == {0}
+    assert tracer.taint_of(second) == {1}
+    assert tracer.taint_of(third) == {1, 2}

@@ -66,3 +66,34 @@ def test_the_documented_fixes_clear_it(fix):
     model.get_input_embeddings().weight.requires_grad_(False)
     report = deadweight.check(model, lambda: model(input_ids=IDS, labels=IDS).loss)
     assert report.findings == ()
+
+
+def test_fused_layernorms_in_gpt2_are_two_causes_not_one_per_layer():
+    # Every LayerNorm run under no_grad: the final ln_f cuts everything before it, and
+    # each block's ln_1/ln_2 cut their own weights. Two causes, two findings each.
+    config = transformers.GPT2Config(
+        vocab_size=100,
+        n_positions=32,
+        n_embd=32,
+        n_layer=3,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(config).train()
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    for norm in norms:
+        norm.forward = torch.no_grad()(norm.forward)
+    ids = IDS[:, :16]
+    report = deadweight.check(model, lambda: model(input_ids=ids, labels=ids).loss)
+
+    by_function = {f.location.function: set(f.params) for f in report.by_code("DW102")}
+    assert set(by_function) == {"GPT2Model.forward", "GPT2Block.forward"}
+    block_norms = {n for n, _ in model.named_parameters() if ".ln_1." in n or ".ln_2." in n}
+    assert by_function["GPT2Block.forward"] == block_norms
+    everything = {n for n, _ in model.named_parameters()}
+    # wte still learns through the tied lm_head
+    assert by_function["GPT2Model.forward"] == everything - block_norms - {"transformer.wte.weight"}
+    dw101 = report.by_code("DW101")
+    assert len(dw101) == 2
+    assert {frozenset(f.params) for f in dw101} == {frozenset(p) for p in by_function.values()}

@@ -222,7 +222,15 @@ def measure_grad_flow(
                             caller=event.caller,
                         )
                     )
-            cuts.extend(_module_cuts(model, modules, loss_walk.nodes, names_by_id, trainable))
+            # A module output that feeds a cut whose result reaches the loss was not
+            # dropped: that cut explains it. (One feeding only a logging .detach() was.)
+            feeds_cuts = autograd_graph.walk(
+                r for e in tracer.events if e.index in loss_taint for r in e.roots
+            ).nodes
+            consumed = loss_walk.nodes | feeds_cuts
+            cuts.extend(
+                _module_cuts(model, modules, loss_walk.nodes, consumed, names_by_id, trainable)
+            )
 
     value = float(loss.detach().float().item()) if loss.numel() == 1 else None
     return GradFlowStats(
@@ -397,6 +405,7 @@ def _module_cuts(
     model: nn.Module,
     modules: ModuleTracer,
     loss_nodes: set[Any],
+    consumed_nodes: set[Any],
     names_by_id: dict[int, str],
     trainable: list[tuple[str, nn.Parameter]],
 ) -> list[Cut]:
@@ -424,7 +433,7 @@ def _module_cuts(
         record = ran.get(path)
         if record is None:
             continue
-        if record.output_nodes and not any(n in loss_nodes for n in record.output_nodes):
+        if record.output_nodes and not any(n in consumed_nodes for n in record.output_nodes):
             params = params_under(path)
             if params:
                 cuts.append(

@@ -48,7 +48,9 @@ _TO_PYTHON = {
 }
 _REBUILD = {torch.tensor, torch.as_tensor, _TensorBase.new_tensor}
 _OPS_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
-_PY_VALUE_TYPES = (float, int, complex, list, np.ndarray)
+# Python values followed by identity. Not ints: small ints are shared objects (every
+# `32` is the same one), and metadata such as x.size(-1) would taint every later 32.
+_PY_VALUE_TYPES = (float, complex, list, np.ndarray)
 
 
 @dataclass
@@ -161,7 +163,7 @@ class OpTracer(TorchFunctionMode):
             roots = pre_roots if pre_roots is not None else _grad_roots(args, kwargs)
             if roots:
                 event = self._record(func, roots, _kind_for_tensor_op(func, out))
-                taint = (taint or frozenset()) | {event.index}
+                taint = self._taint_after_cut(event, args, kwargs)
             elif out.dim() == 0:
                 self.scalar_origins[out] = (_op_name(func), user_site(), torch.is_grad_enabled())
             if taint:
@@ -174,7 +176,7 @@ class OpTracer(TorchFunctionMode):
                 roots = _grad_roots(args, kwargs)
                 if roots:
                     event = self._record(func, roots, _kind_for_tensor_op(func, tensors[0]))
-                    taint = (taint or frozenset()) | {event.index}
+                    taint = self._taint_after_cut(event, args, kwargs)
             if taint:
                 for t in tensors:
                     self._taint[t] = taint
@@ -185,8 +187,9 @@ class OpTracer(TorchFunctionMode):
             roots = _grad_roots(args, kwargs)
             if roots:
                 event = self._record(func, roots, kind)
-                taint = (taint or frozenset()) | {event.index}
-        if taint and isinstance(out, _PY_VALUE_TYPES):
+                taint = self._taint_after_cut(event, args, kwargs)
+        # Only values converted out of a tensor carry its data; .size(), .dim() do not.
+        if taint and kind is not None and isinstance(out, _PY_VALUE_TYPES):
             self._py_taint[id(out)] = (out, taint)
             if isinstance(out, np.ndarray):
                 # torch.from_numpy is invisible to the mode; its tensor shares this memory.
@@ -238,7 +241,7 @@ class OpTracer(TorchFunctionMode):
             if roots and outputs:
                 kind = "reentrant-checkpoint" if issubclass(cls, CheckpointFunction) else "function"
                 event = self._record(None, roots, kind, op=name)
-                taint = (taint or frozenset()) | {event.index}
+                taint = self._taint_after_cut(event, args, kwargs)
         if taint:
             for o in outputs:
                 self._taint[o] = taint
@@ -265,10 +268,23 @@ class OpTracer(TorchFunctionMode):
             op, user_site(sys._getframe(1)), self._current_module()
         )
 
-    def _incoming_taint(self, args: tuple, kwargs: dict) -> frozenset[int] | None:
+    def _taint_after_cut(self, event: CutEvent, args: tuple, kwargs: dict) -> frozenset[int]:
+        """A cut's output carries the cut, plus earlier cuts reaching it through values
+        without grad (the ops of one no-grad kernel chain up). Earlier cuts that reach it
+        through a tensor that still has a graph are dropped: fixing them alone would not
+        bring any gradient past this cut.
+        """
+        earlier = self._incoming_taint(args, kwargs, skip_grad=True) or frozenset()
+        return earlier | {event.index}
+
+    def _incoming_taint(
+        self, args: tuple, kwargs: dict, skip_grad: bool = False
+    ) -> frozenset[int] | None:
         found: frozenset[int] = frozenset()
         for value in _flat_args(args, kwargs):
             if isinstance(value, Tensor):
+                if skip_grad and value.requires_grad:
+                    continue
                 t = self._taint.get(value)
                 if t is None and self._ptr_taint and value.device.type == "cpu":
                     t = self._ptr_taint.get(value.data_ptr())

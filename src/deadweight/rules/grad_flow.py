@@ -291,12 +291,19 @@ def model_in_eval_mode(stats: GradFlowStats) -> Iterator[Finding]:
         )
 
 
+_MODULE_PHRASES = {
+    "never-ran": "never ran",
+    "output-unused": "ran but whose output never reaches the loss",
+    "module-cut": "returns outputs without grad_fn",
+}
+
+
 def _short_ref(group: CutGroup) -> str:
     cut = group.first
     if cut.kind == "loss-no-grad-fn":
         return "at the loss itself, which has no grad_fn (DW102)"
     if cut.kind in ("never-ran", "output-unused", "module-cut"):
-        return f"at module `{cut.module}`, which {CUT_KINDS[cut.kind].split(',')[0]} (DW102)"
+        return f"at module `{cut.module}`, which {_MODULE_PHRASES[cut.kind]} (DW102)"
     if cut.site is None:
         return f"at {cut.op} ({cut.kind}, DW102)"
     where = f"{os.path.basename(cut.site.file)}:{cut.site.line} in {cut.site.function}"
