@@ -4,6 +4,9 @@ Public API::
 
     report = deadweight.check(model, lambda: loss_fn(model(x), y), optimizer)
     print(report)          # or report.ok, report.findings, report.to_json()
+
+    groups = deadweight.param_groups(model, weight_decay=0.1)   # decay by meaning
+    handle = deadweight.pin(model, "blocks.31.layer_scalar")   # keep one fixed
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from deadweight._version import __version__
 from deadweight.check_model import check
 from deadweight.errors import DeadweightError, InputError, LossFnError
 from deadweight.findings import Finding, Location, Severity
+from deadweight.fixes.param_groups import param_groups
+from deadweight.fixes.pin import PinHandle, pin
 from deadweight.registry import Rule, all_rules, get_rule
 from deadweight.report import SCHEMA_VERSION, Report
 
@@ -22,6 +27,7 @@ __all__ = [
     "InputError",
     "Location",
     "LossFnError",
+    "PinHandle",
     "Report",
     "Rule",
     "Severity",
@@ -29,4 +35,6 @@ __all__ = [
     "all_rules",
     "check",
     "get_rule",
+    "param_groups",
+    "pin",
 ]

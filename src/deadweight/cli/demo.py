@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 
 from deadweight.check_model import check
-from deadweight.demos import fused_rmsnorm
+from deadweight.demos import fused_rmsnorm, layer_scalar_drift
 from deadweight.report.text import render
 
 HELP = "run the seed incidents and show what deadweight reports for them"
@@ -46,4 +46,16 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"\n  deadweight.check at step 0, before training ({title}):")
         render(report, console)
         console.print()
+
+    console.rule("[bold]Seed incident 2: a layer scalar that only pretends to learn")
+    console.print(
+        f"{layer_scalar_drift.LAYERS} residual blocks, each with a shape-[1] scalar; the last one "
+        "scales the hidden state right before the final RMSNorm, which cancels it. AdamW "
+        "(lr 8.5e-4, b2 0.95) with the rule `len(p.shape) == 1 -> no weight decay`.\n"
+    )
+    story = layer_scalar_drift.run_story(steps=args.drift_steps, resets=3)
+    console.print("1. deadweight.check at step 0:")
+    render(story.report, console)
+    for line in layer_scalar_drift.describe(story):
+        console.print(line, highlight=False)
     return 0

@@ -18,10 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from deadweight import param_roles
 from deadweight.errors import InputError, LossFnError
-from deadweight.probes import autograd_graph
+from deadweight.probes import autograd_graph, invariance
+from deadweight.probes.invariance import GradStats, ProbeResult
 from deadweight.probes.module_trace import ModuleTracer
 from deadweight.probes.op_trace import OpTracer, tensors_in
+from deadweight.probes.optimizer_groups import OptimizerFacts, optimizer_facts
 from deadweight.probes.sites import Site, definition_site
 from deadweight.probes.state import (
     grads_set_aside,
@@ -44,6 +47,12 @@ class ParamInfo:
     has_grad: bool
     reaches_loss: bool  # the parameter's node is in the loss's autograd graph
     in_optimizer: bool | None  # None when no optimizer was given
+    numel: int = 0
+    role: str = param_roles.OTHER  # bias, normalization weight, embedding, tagged, other
+    module_type: str = ""
+    grad: GradStats | None = None  # None without a gradient
+    pinned_value: float | None = None  # set by deadweight.pin (scalars), else None
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,18 @@ class GradFlowStats:
     cuts: list[Cut]
     backward_error: str | None = None
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict, repr=False)
+    # (name, "scale" | "shift") -> the functional probe's result, for screened candidates
+    invariance: dict[tuple[str, str], ProbeResult] = field(default_factory=dict)
+    probe_note: str | None = None  # why probes were skipped, when they were
+    loss_eps: float = float(torch.finfo(torch.float32).eps)
+    optimizer_facts: OptimizerFacts | None = None
+
+    def param(self, name: str) -> ParamInfo:
+        return self._by_name[name]
+
+    @property
+    def _by_name(self) -> dict[str, ParamInfo]:
+        return {p.name: p for p in self.params}
 
     @property
     def no_grad_params(self) -> list[ParamInfo]:
@@ -232,8 +253,32 @@ def measure_grad_flow(
                 _module_cuts(model, modules, loss_walk.nodes, consumed, names_by_id, trainable)
             )
 
-    value = float(loss.detach().float().item()) if loss.numel() == 1 else None
+            value = float(loss.detach().float().item())
+            loss_eps = float(torch.finfo(loss.dtype).eps) if loss.is_floating_point() else 0.0
+            with_grad = [(n, p) for n, p in trainable if p.grad is not None]
+            stats_by_name = dict(
+                zip(
+                    [n for n, _ in with_grad],
+                    invariance.grad_stats([p for _, p in with_grad]),
+                    strict=True,
+                )
+            )
+            probes, probe_note = _probe_invariance(
+                with_grad,
+                stats_by_name,
+                value,
+                loss_eps,
+                loss_fn,
+                guard,
+                runnable=backward_error is None and math.isfinite(value),
+            )
+
+    roles = param_roles.parameter_roles(model)
     return GradFlowStats(
+        invariance=probes,
+        probe_note=probe_note,
+        loss_eps=loss_eps,
+        optimizer_facts=optimizer_facts(model, optimizer) if optimizer is not None else None,
         model=type(model).__name__,
         model_training=model.training,
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
@@ -254,6 +299,11 @@ def measure_grad_flow(
                 has_grad=has_grad.get(id(p), False),
                 reaches_loss=id(p) in reached,
                 in_optimizer=(id(p) in in_opt) if in_opt is not None else None,
+                numel=p.numel(),
+                role=roles[n][0],
+                module_type=roles[n][1],
+                grad=stats_by_name.get(n),
+                pinned=hasattr(p, "_deadweight_pin"),
             )
             for n, p in named
         ],
@@ -261,6 +311,59 @@ def measure_grad_flow(
         backward_error=backward_error,
         grads=grads,
     )
+
+
+def _probe_invariance(
+    with_grad: list[tuple[str, nn.Parameter]],
+    stats: dict[str, GradStats],
+    loss_value: float,
+    loss_eps: float,
+    loss_fn: LossFn,
+    guard: Any,
+    runnable: bool,
+) -> tuple[dict[tuple[str, str], ProbeResult], str | None]:
+    """Screen every parameter with a nonzero gradient; confirm candidates functionally.
+
+    An exactly-zero gradient is left out: it is what zero-initialised designs (a LoRA
+    B matrix, a zero-init output projection) give the layers around them at step 0,
+    and Adam does not move a parameter on exact zeros.
+    """
+    candidates = []
+    for name, p in with_grad:
+        s = stats[name]
+        if s.exact_zero:
+            continue
+        if s.param_norm > 0 and s.scale_score(loss_value) < invariance.SCREEN:
+            candidates.append((name, p, "scale", s.scale_score(loss_value), 0.0))
+        # A single number is covered by the scale probe unless it is 0.
+        if (p.numel() > 1 or s.param_norm == 0) and s.shift_score(loss_value) < invariance.SCREEN:
+            candidates.append((name, p, "shift", s.shift_score(loss_value), s.shift_step()))
+    if not candidates:
+        return {}, None
+    if not runnable:
+        return {}, "functional probes skipped: the loss is not finite or backward failed"
+
+    def rerun() -> float | None:
+        guard.reset_rng()
+        try:
+            with torch.no_grad():
+                out = loss_fn()
+        except Exception:
+            return None
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            return None
+        return float(out.detach().float().item())
+
+    base = rerun()
+    # A loss_fn that draws a new batch on every call cannot be probed: compare its
+    # re-run with the checked value (loose: no_grad may pick other kernels).
+    if base is None or abs(base - loss_value) > 1e-3 * max(abs(loss_value), 1e-12):
+        return {}, (
+            "functional probes skipped: re-running loss_fn gave a different loss "
+            f"({base} vs {loss_value}); make it use one fixed batch"
+        )
+    tolerance = invariance.CONFIRM_EPS * loss_eps
+    return invariance.confirm(candidates, rerun, tolerance, base), None
 
 
 def _backward(

@@ -13,10 +13,16 @@ from torch import nn
 
 
 class ParamGuard:
-    """Copies of parameters taken just before something writes to them in place."""
+    """Copies of parameters taken just before something writes to them in place, and the
+    RNG state at entry, so a loss function can be re-run on the same random draws."""
 
-    def __init__(self) -> None:
+    def __init__(self, rng: dict[str, Any] | None = None) -> None:
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rng = rng
+
+    def reset_rng(self) -> None:
+        if self._rng is not None:
+            _set_rng_state(self._rng)
 
     def before_write(self, param: torch.Tensor) -> None:
         if id(param) not in self._copies:
@@ -50,7 +56,7 @@ def preserved(model: nn.Module) -> Iterator[ParamGuard]:
     rng = _rng_state()
     for p in params:
         p.grad = None
-    guard = ParamGuard()
+    guard = ParamGuard(rng)
     try:
         yield guard
     finally:

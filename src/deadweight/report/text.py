@@ -78,8 +78,21 @@ def _evidence_line(finding: Finding) -> str:
     for key, value in finding.evidence.items():
         if key in ("explained_by",) or value is None or value == [] or value == {}:
             continue
-        items.append(f"{key}={value}")
+        items.append(f"{key}={_short(value)}")
     return ", ".join(items)
+
+
+def _short(value: object) -> str:
+    """Numbers to 3 significant digits, nested dicts and lists kept compact."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_short(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_short(v) for v in value) + "]"
+    return str(value)
 
 
 def _footer(report: Report) -> Text:

@@ -1,0 +1,1 @@
+"""Fixes deadweight ships: weight-decay groups by meaning, and pinning a parameter safely."""

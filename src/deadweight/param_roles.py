@@ -1,0 +1,58 @@
+"""What a parameter *is*, by the module that owns it and its name, never by its shape.
+
+Shared by the optimizer audit (which parameters must not be decayed) and by the
+`param_groups` fix.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+_NORM_TYPES: tuple[type, ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.modules.batchnorm._NormBase,  # BatchNorm*d, SyncBatchNorm, InstanceNorm*d
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+_EMBEDDING_TYPES: tuple[type, ...] = (nn.Embedding, nn.EmbeddingBag)
+
+BIAS = "bias"
+NORM_WEIGHT = "normalization weight"
+EMBEDDING = "embedding"
+TAGGED = "tagged _no_weight_decay"
+OTHER = "other"
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    # Custom classes (LlamaRMSNorm, T5LayerNorm, FusedRMSNorm...) are recognised by
+    # name: a normalization layer that is not a subclass of torch's is the rule.
+    return isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
+
+
+def is_embedding_module(module: nn.Module) -> bool:
+    return isinstance(module, _EMBEDDING_TYPES) or "embedding" in type(module).__name__.lower()
+
+
+def parameter_roles(model: nn.Module) -> dict[str, tuple[str, str]]:
+    """name -> (role, owner module class) for every parameter, tied ones once."""
+    owners = {}
+    for module_name, module in model.named_modules():
+        for local, p in module.named_parameters(recurse=False):
+            full = f"{module_name}.{local}" if module_name else local
+            owners[full] = (module, local, p)
+    roles = {}
+    for name, _ in model.named_parameters():
+        module, local, p = owners[name]
+        if getattr(p, "_no_weight_decay", False):
+            role = TAGGED
+        elif local == "bias" or local.endswith("_bias"):
+            role = BIAS
+        elif is_norm_module(module):
+            role = NORM_WEIGHT
+        elif is_embedding_module(module):
+            role = EMBEDDING
+        else:
+            role = OTHER
+        roles[name] = (role, type(module).__name__)
+    return roles
