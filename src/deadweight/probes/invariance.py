@@ -3,9 +3,13 @@
 At init, a parameter the loss cannot see still gets a gradient: numerical noise.
 Two first-order screens find candidates cheaply from the gradient already computed:
 
-- scale (theta -> 2 theta): the first-order loss change is <g, theta>;
-- shift (theta -> theta + c, c = the parameter's RMS, or 1 for an all-zero one):
+- scale (theta -> 10 theta): the first-order loss change is 9 <g, theta>;
+- shift (theta -> theta + c, c = 10 x the parameter's RMS, or 1 for an all-zero one):
   the first-order change is c * sum(g).
+
+The perturbations are large on purpose: a parameter the loss truly cannot see
+stays invisible at any size, while one with a small but real influence (a layer of
+a freshly initialised model whose logits are still near uniform) shows it clearly.
 
 Both are taken relative to |loss|. A candidate is then confirmed by re-running the
 loss function under no_grad with the parameter actually scaled or shifted, on the
@@ -29,10 +33,13 @@ import torch
 # and its healthy siblings 4e-3 to 2.5e-2: 1e-4 sits well between, and a healthy
 # parameter that scores below it only costs a probe.
 SCREEN = 1e-4
+SCALE_FACTOR = 10.0
+SHIFT_RMS = 10.0
 # A measured relative loss change at or below this many machine epsilons of the
-# loss's dtype counts as "unchanged" (scaling the cancelled scalar by 2 moved the
-# loss by 0 to 4e-7 relative: about one float32 ulp).
-CONFIRM_EPS = 100
+# loss's dtype counts as "unchanged". Scaling a scalar that RMSNorm cancels moved the
+# loss by 0 to ~12 float32 ulps (RMSNorm's eps leaves a residue); doubling a real
+# but weak projection of a fresh GPT-2 moved it by 64 ulps, and by far more at x10.
+CONFIRM_EPS = 32
 # At most this many extra forwards per check for the functional probes.
 MAX_PROBE_FORWARDS = 24
 
@@ -49,10 +56,10 @@ class GradStats:
     exact_zero: bool  # every gradient entry is exactly 0
 
     def scale_score(self, loss: float) -> float:
-        return abs(self.grad_dot_param) / _safe(loss)
+        return (SCALE_FACTOR - 1) * abs(self.grad_dot_param) / _safe(loss)
 
     def shift_step(self) -> float:
-        return self.param_rms if self.param_rms > 0 else 1.0
+        return SHIFT_RMS * self.param_rms if self.param_rms > 0 else 1.0
 
     def shift_score(self, loss: float) -> float:
         return self.shift_step() * abs(self.grad_sum) / _safe(loss)
@@ -144,7 +151,7 @@ def confirm(
             with torch.no_grad():
                 for c in group:
                     if c.kind == "scale":
-                        c.param.mul_(2.0)
+                        c.param.mul_(SCALE_FACTOR)
                     else:
                         c.param.add_(c.step)
             value = rerun()

@@ -17,6 +17,7 @@ from deadweight.report import Report
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 _MAX_NAMES = 8
+_MAX_NESTED = 2  # per-parameter evidence shown in the terminal; JSON has it all
 
 
 def render(report: Report, console: Console | None = None) -> None:
@@ -82,16 +83,20 @@ def _evidence_line(finding: Finding) -> str:
     return ", ".join(items)
 
 
-def _short(value: object) -> str:
-    """Numbers to 3 significant digits, nested dicts and lists kept compact."""
+def _short(value: object, depth: int = 0) -> str:
+    """Numbers to 3 significant digits; a long dict of per-parameter entries is cut."""
     if isinstance(value, bool):
         return str(value)
     if isinstance(value, float):
         return f"{value:.3g}"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_short(v)}" for k, v in value.items()) + "}"
+        items = list(value.items())
+        limit = _MAX_NESTED if depth == 0 else len(items)
+        shown = ", ".join(f"{k}: {_short(v, depth + 1)}" for k, v in items[:limit])
+        more = f", … {len(items) - limit} more in --format json" if len(items) > limit else ""
+        return "{" + shown + more + "}"
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_short(v) for v in value) + "]"
+        return "[" + ", ".join(_short(v, depth + 1) for v in value) + "]"
     return str(value)
 
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from deadweight.findings import Finding, Location, Severity
 from deadweight.probes.grad_flow import GradFlowStats
+from deadweight.probes.invariance import SCALE_FACTOR
 from deadweight.registry import get_rule, rule
 from deadweight.rules._effective import NOISE_FLOOR_ULPS, Ineffective, no_effective_gradient
 
@@ -24,7 +25,7 @@ def _evidence(items: list[Ineffective], loss: float | None) -> dict[str, object]
             "param_norm": g.param_norm,
         }
         if i.probe is not None:
-            entry["probe"] = f"{'x2' if i.probe.kind == 'scale' else '+shift'}"
+            entry["probe"] = f"x{SCALE_FACTOR:g}" if i.probe.kind == "scale" else "+shift"
             entry["relative_loss_change"] = i.probe.relative_change
             entry["screen_score"] = i.probe.screen_score
         if i.param.pinned:
@@ -118,7 +119,7 @@ def zero_gradient(stats: GradFlowStats) -> Iterator[Finding]:
 def _invariance_findings(stats: GradFlowStats, code: str, kind: str) -> Iterator[Finding]:
     hard, soft = _split(stats, (kind,))
     loss = stats.loss.value
-    verb = "scaling it by 2" if kind == "scale" else "shifting it by its own RMS"
+    verb = f"scaling it by {SCALE_FACTOR:g}" if kind == "scale" else "shifting it"
     for i in hard:
         assert i.probe is not None and i.param.grad is not None
         yield get_rule(code).finding(
@@ -167,11 +168,13 @@ def _invariance_findings(stats: GradFlowStats, code: str, kind: str) -> Iterator
 def scale_invariant(stats: GradFlowStats) -> Iterator[Finding]:
     """
     ## What it does
-    Screens every parameter with the first-order loss change of doubling it,
-    `<g, theta> / |loss|`, and confirms candidates by re-running the loss function
-    under no_grad with the parameter doubled, on the same batch and RNG state. The
-    measured relative loss change is the evidence (unchanged means at most 100
-    machine epsilons of the loss's dtype).
+    Screens every parameter with the first-order loss change of scaling it by 10,
+    `9 <g, theta> / |loss|`, and confirms candidates below 1e-4 by re-running the
+    loss function under no_grad with the parameter scaled by 10, on the same batch
+    and RNG state. The measured relative loss change is the evidence; unchanged
+    means at most 32 machine epsilons of the loss's dtype (a scalar RMSNorm cancels
+    moves the loss by ~12 float32 ulps through RMSNorm's eps; a weak but real
+    projection of a freshly initialised GPT-2 moves it by 64 ulps when merely doubled).
 
     A scalar or a parameter whose whole gradient is noise cannot learn at all
     (warning): the incident's layer scalar feeding straight into the final RMSNorm.
@@ -207,10 +210,11 @@ def scale_invariant(stats: GradFlowStats) -> Iterator[Finding]:
 def shift_invariant(stats: GradFlowStats) -> Iterator[Finding]:
     """
     ## What it does
-    Screens every parameter with the first-order loss change of adding its own RMS
-    (1 for an all-zero parameter) to every entry, `c * sum(g) / |loss|`, and
-    confirms candidates by re-running the loss function under no_grad with the
-    parameter shifted, on the same batch and RNG state.
+    Screens every parameter with the first-order loss change of adding `c` to every
+    entry (10 times its RMS, or 1 for an all-zero parameter), `c * sum(g) / |loss|`,
+    and confirms candidates below 1e-4 by re-running the loss function under no_grad
+    with the parameter shifted, on the same batch and RNG state (unchanged: at most
+    32 machine epsilons of the loss's dtype).
 
     A parameter whose whole gradient is noise cannot learn at all (warning): a bias
     right before BatchNorm, which subtracts it again. One whose mean is free while
