@@ -86,7 +86,9 @@ class Rule:
             params=tuple(params),
             location=location,
             evidence=evidence or {},
-            fix=fix if fix is not None else self.sections().get("Fix", "").split("\n\n")[0],
+            fix=fix
+            if fix is not None
+            else " ".join(self.sections().get("Fix", "").split("\n\n")[0].split()),
         )
 
 

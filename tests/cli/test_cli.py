@@ -166,7 +166,7 @@ def test_rules_list_and_explain():
 
 
 def test_demo_runs_the_seed_and_shows_the_report():
-    result = dw("demo", "--steps", "300")
+    result = dw("demo", "--steps", "300", "--drift-steps", "300")
     assert result.returncode == 0, result.stderr
     assert "grads present: w1 false g false w2 true" in result.stdout
     assert "grads present: w1 true g true w2 true" in result.stdout

@@ -22,6 +22,13 @@ def add_parser(sub: Any) -> None:
         default=fused_rmsnorm.STEPS,
         help=f"training steps per path (default: {fused_rmsnorm.STEPS})",
     )
+    parser.add_argument(
+        "--drift-steps",
+        type=int,
+        default=1200,
+        help="training steps per run of the second incident (default: 1200; "
+        "examples/layer_scalar_drift.py runs the full story)",
+    )
     parser.set_defaults(run=run)
 
 

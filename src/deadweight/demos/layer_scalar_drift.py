@@ -275,7 +275,8 @@ def describe(story: Story, every: int = 250) -> list[str]:
         + " ".join(
             f"{v:.3f}" for v in story.decayed.values[:: max(1, len(story.decayed.values) // 8)]
         ),
-        f"   settles near {story.decayed.values[-1]:.3f}, not at its initial 1.0; predicted "
+        f"   at {story.decayed.values[-1]:.3f} after {len(story.decayed.updates)} steps: pulled "
+        "away from its initial 1.0 towards an equilibrium; predicted "
         f"theta_eq = drift / (wd * lr) = {story.predicted_equilibrium:.3f} (at most "
         f"{story.predicted_equilibrium_max:.3f}). Near 0 the cancellation weakens and the noise "
         "turns into a real gradient, so the step-0 noise level only sizes it.",
