@@ -51,8 +51,8 @@ class ParamInfo:
     role: str = param_roles.OTHER  # bias, normalization weight, embedding, tagged, other
     module_type: str = ""
     grad: GradStats | None = None  # None without a gradient
-    pinned_value: float | None = None  # set by deadweight.pin (scalars), else None
-    pinned: bool = False
+    pinned: bool = False  # deadweight.pin holds it
+    moved_since_pin: float | None = None  # largest change since the pin, if pinned
 
 
 @dataclass(frozen=True)
@@ -304,6 +304,9 @@ def measure_grad_flow(
                 module_type=roles[n][1],
                 grad=stats_by_name.get(n),
                 pinned=hasattr(p, "_deadweight_pin"),
+                moved_since_pin=p._deadweight_pin.moved()
+                if hasattr(p, "_deadweight_pin")
+                else None,
             )
             for n, p in named
         ],

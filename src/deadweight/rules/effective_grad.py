@@ -30,6 +30,7 @@ def _evidence(items: list[Ineffective], loss: float | None) -> dict[str, object]
             entry["screen_score"] = i.probe.screen_score
         if i.param.pinned:
             entry["pinned"] = True
+            entry["moved_since_pin"] = i.param.moved_since_pin
         per_param[i.param.name] = entry
     evidence: dict[str, object] = {"loss": loss, "params": per_param}
     if len(items) > _MAX_EVIDENCE:
@@ -146,15 +147,27 @@ def _invariance_findings(stats: GradFlowStats, code: str, kind: str) -> Iterator
                 severity=Severity.INFO,
                 fix=f"Nothing to do if the design intends it; weight decay keeps the free {what} bounded.",
             )
-        if pinned:
+        held = [i for i in pinned if not i.param.moved_since_pin]
+        slipped = [i for i in pinned if i.param.moved_since_pin]
+        if held:
             yield get_rule(code).finding(
-                f"{len(pinned)} pinned parameter(s) cannot change the loss ({_names(pinned)}); "
-                "the pin keeps them fixed.",
-                params=[i.param.name for i in pinned],
-                location=_location(pinned),
-                evidence=_evidence(pinned, loss),
+                f"{len(held)} pinned parameter(s) cannot change the loss ({_names(held)}); "
+                "the pin holds them: unchanged since pinned.",
+                params=[i.param.name for i in held],
+                location=_location(held),
+                evidence=_evidence(held, loss),
                 severity=Severity.INFO,
                 fix="Nothing to do: pinned with deadweight.pin.",
+            )
+        if slipped:
+            yield get_rule(code).finding(
+                f"{len(slipped)} pinned parameter(s) moved since they were pinned "
+                f"({_names(slipped)}): something other than the gradient changes them.",
+                params=[i.param.name for i in slipped],
+                location=_location(slipped),
+                evidence=_evidence(slipped, loss),
+                fix="Keep pinned parameters out of weight decay (deadweight.param_groups after "
+                "pinning, see DW206) and clear their optimizer state (pin(..., optimizer=opt)).",
             )
 
 
