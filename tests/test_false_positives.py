@@ -481,10 +481,39 @@ CASES: dict[str, Callable[[], Case]] = {
 }
 
 
+# Structural redundancies that are real findings, not false positives: a bias right
+# before BatchNorm is cancelled by it (DW105 warning), and so is BERT's key bias,
+# which adds the same number to every attention logit of a query (softmax removes it).
+REDUNDANT_BIASES = {
+    "cnn-batchnorm2d": {"features.0.bias", "features.4.bias"},
+    "byol-detach": {"encoder.0.bias"},
+    "byol-no-grad": {"encoder.0.bias"},
+    "byol-symmetric": {"encoder.0.bias"},
+}
+
+
+def _is_known_redundancy(case_name: str, finding: deadweight.Finding) -> bool:
+    if finding.code != "DW105":
+        return False
+    allowed = REDUNDANT_BIASES.get(case_name, set())
+    return all(p in allowed or p.endswith("attention.self.key.bias") for p in finding.params)
+
+
+def _unexpected(case_name: str, report: deadweight.Report) -> list[deadweight.Finding]:
+    """Findings above info that are not one of the known structural redundancies."""
+    return [
+        f
+        for f in report.findings
+        if f.severity.rank > deadweight.Severity.INFO.rank
+        and not _is_known_redundancy(case_name, f)
+    ]
+
+
 @pytest.fixture(params=list(CASES))
 def case(request: pytest.FixtureRequest) -> Case:
     model, loss_of = CASES[request.param]()
     model.train()
+    model._case_name = request.param  # type: ignore[assignment]
     return model, loss_of
 
 
@@ -504,11 +533,10 @@ def test_no_dw102(case: Case) -> None:
     assert not report.by_code("DW102"), report
 
 
-def test_no_findings_at_all(case: Case) -> None:
+def test_nothing_above_info_but_structural_redundancies(case: Case) -> None:
     model, loss_of = case
     report = deadweight.check(model, lambda: loss_of(model))
-    assert report.findings == (), report
-    assert report.ok
+    assert _unexpected(model._case_name, report) == [], report
     assert report.subject["training_mode"] is True
     assert report.subject["trainable"] == sum(1 for p in model.parameters() if p.requires_grad)
 
@@ -526,7 +554,7 @@ def test_optimizer_given_changes_nothing(case: Case) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     report = deadweight.check(model, lambda: loss_of(model), opt)
-    assert report.findings == (), report
+    assert _unexpected(model._case_name, report) == [], report
     assert report.subject["optimizer"] == "AdamW"
     assert not opt.state
     for name, p in model.named_parameters():

@@ -24,6 +24,15 @@ X = torch.randn(6, 8)
 Y = torch.randint(0, 3, (6,))
 
 
+def _quiet(report: deadweight.Report) -> bool:
+    """Nothing found but info-level notes on scale/shift invariance (DW103-DW105),
+    which healthy models with normalization layers have."""
+    return all(
+        f.code in ("DW103", "DW104", "DW105") and f.severity is deadweight.Severity.INFO
+        for f in report.findings
+    )
+
+
 def _dw101(report: deadweight.Report) -> set[str]:
     return {p for f in report.by_code("DW101") for p in f.params}
 
@@ -74,7 +83,7 @@ def test_dict_io_healthy() -> None:
         return F.cross_entropy(out["logits"], BATCH["y"]) + 0.1 * out["aux"].pow(2).mean()
 
     report = _check(DictModel(), loss_of)
-    assert report.findings == ()
+    assert _quiet(report)
 
 
 def test_dict_io_unused_aux_entry() -> None:
@@ -115,7 +124,7 @@ def test_kwargs_input_healthy() -> None:
 
     right = torch.randn(6, 5)
     report = _check(KwModel(), lambda m: m(left=X, right=right).sum())
-    assert report.findings == ()
+    assert _quiet(report)
 
 
 # -- tuples -----------------------------------------------------------------------
@@ -142,7 +151,7 @@ def test_tuple_io_healthy() -> None:
         logits, reg = m(XS)
         return F.cross_entropy(logits, Y) + F.mse_loss(reg, torch.zeros_like(reg))
 
-    assert _check(TupleModel(), loss_of).findings == ()
+    assert _quiet(_check(TupleModel(), loss_of))
 
 
 def test_tuple_io_second_output_unused() -> None:
@@ -166,7 +175,7 @@ class NamedTupleModel(TupleModel):
 def test_namedtuple_output_healthy_and_broken() -> None:
     model = NamedTupleModel()
     ok = _check(model, lambda m: m(XS).main.sum() + m(XS).extra.sum())
-    assert ok.findings == ()
+    assert _quiet(ok)
     broken = _check(model, lambda m: F.cross_entropy(m(XS).main, Y))
     _single_cut(broken, "output-unused", "right", _params(model.right, "right"))
 
@@ -204,7 +213,7 @@ def test_dataclass_output_healthy() -> None:
             + 0.3 * F.cross_entropy(out.aux_logits, Y)
         )
 
-    assert _check(DataclassModel(), loss_of).findings == ()
+    assert _quiet(_check(DataclassModel(), loss_of))
 
 
 def test_dataclass_output_field_unused() -> None:
@@ -261,7 +270,7 @@ def test_container_loss_from_submodules_healthy() -> None:
         return F.cross_entropy(c["head"](h), Y) + c["critic"](h).pow(2).mean()
 
     report = _check(_container(), loss_of)
-    assert report.findings == ()
+    assert _quiet(report)
     assert report.subject["model"] == "ModuleDict"
 
 
@@ -272,7 +281,9 @@ def test_container_submodule_never_called() -> None:
     assert _dw101(report) == critic
     _single_cut(report, "never-ran", "critic", critic)
     # a module that never ran may be data-dependent routing: a warning, not an error
-    assert all(f.severity is Severity.WARNING for f in report.findings)
+    assert all(
+        f.severity is Severity.WARNING for f in report.findings if f.code in ("DW101", "DW102")
+    )
 
 
 def test_container_submodule_output_unused() -> None:
@@ -306,14 +317,14 @@ def test_plain_container_module_called_directly() -> None:
         z = torch.relu(p.encoder(X))
         return F.mse_loss(p.decoder(z), X) + F.cross_entropy(p.classifier(z), Y)
 
-    assert _check(parts, healthy).findings == ()
+    assert _quiet(_check(parts, healthy))
 
     def broken(p: nn.Module) -> torch.Tensor:
         z = torch.relu(p.encoder(X))
         return F.mse_loss(p.decoder(z), X) + F.cross_entropy(p.classifier(z.detach()), Y) * 0
 
     # classifier still gets a (zero) gradient; the detach cuts nothing that lacks one
-    assert _check(parts, broken).findings == ()
+    assert _quiet(_check(parts, broken))
 
 
 def test_container_with_detached_encoder_output() -> None:
@@ -357,7 +368,7 @@ class MultiHead(nn.Module):
 @pytest.mark.parametrize("as_dict", [False, True])
 def test_module_list_of_heads_healthy(as_dict: bool) -> None:
     report = _check(MultiHead(as_dict), lambda m: sum(o.sum() for o in m(X)))
-    assert report.findings == ()
+    assert _quiet(report)
 
 
 @pytest.mark.parametrize("as_dict", [False, True])
@@ -407,9 +418,7 @@ def test_nested_output_structures(depth: int) -> None:
         return out  # type: ignore[return-value]
 
     model = Nested()
-    assert (
-        _check(model, lambda m: unwrap(m(X))["a"].sum() + unwrap(m(X))["b"][0].sum()).findings == ()
-    )
+    assert _quiet(_check(model, lambda m: unwrap(m(X))["a"].sum() + unwrap(m(X))["b"][0].sum()))
     broken = _check(model, lambda m: unwrap(m(X))["a"].sum())
     assert _dw101(broken) == {"b.weight", "b.bias"}
 
@@ -445,7 +454,11 @@ def test_model_output_both_heads_in_loss() -> None:
         out = m(input_ids=IDS, mc_token_ids=MC_TOKEN, labels=IDS, mc_labels=MC_LABEL)
         return out.loss + out.mc_loss  # .loss alone is only the LM loss
 
-    assert _check(model, loss_of).findings == ()
+    report = _check(model, loss_of)
+    # The multiple-choice head's single bias adds the same number to every choice's
+    # score, which the cross-entropy over choices removes: a real DW105 warning.
+    redundant = [f for f in report.findings if f.severity is not Severity.INFO]
+    assert [f.params for f in redundant] == [("multiple_choice_head.summary.bias",)]
 
 
 def test_model_output_multiple_choice_head_unused() -> None:
@@ -465,4 +478,6 @@ def test_model_output_used_through_its_fields() -> None:
         lm = F.cross_entropy(out.logits[..., :-1, :].reshape(-1, 100), IDS[..., 1:].reshape(-1))
         return lm + F.cross_entropy(out["mc_logits"], MC_LABEL)
 
-    assert _check(model, loss_of).findings == ()
+    report = _check(model, loss_of)
+    redundant = [f for f in report.findings if f.severity is not Severity.INFO]
+    assert [f.params for f in redundant] == [("multiple_choice_head.summary.bias",)]

@@ -12,6 +12,15 @@ import deadweight
 transformers = pytest.importorskip("transformers")
 
 
+def _quiet(report: deadweight.Report) -> bool:
+    """Nothing found but info-level notes on scale/shift invariance (DW103-DW105),
+    which healthy models with normalization layers have."""
+    return all(
+        f.code in ("DW103", "DW104", "DW105") and f.severity is deadweight.Severity.INFO
+        for f in report.findings
+    )
+
+
 def tiny_llama() -> torch.nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=100,
@@ -65,7 +74,7 @@ def test_the_documented_fixes_clear_it(fix):
         model.enable_input_require_grads()
     model.get_input_embeddings().weight.requires_grad_(False)
     report = deadweight.check(model, lambda: model(input_ids=IDS, labels=IDS).loss)
-    assert report.findings == ()
+    assert _quiet(report)
 
 
 def test_fused_layernorms_in_gpt2_are_two_causes_not_one_per_layer():

@@ -66,7 +66,8 @@ def pin(
     not keep moving it) and a parameter sitting in a group with weight decay is an
     error: decay would pull it away from its value.
     """
-    params = dict(model.named_parameters())
+    # Tied parameters answer to every name they have (lm_head.weight and wte.weight).
+    params = dict(model.named_parameters(remove_duplicate=False))
     param = params.get(name)
     if param is None:
         close = difflib.get_close_matches(name, list(params), n=5, cutoff=0.5)

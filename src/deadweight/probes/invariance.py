@@ -4,20 +4,29 @@ At init, a parameter the loss cannot see still gets a gradient: numerical noise.
 Two first-order screens find candidates cheaply from the gradient already computed:
 
 - scale (theta -> 10 theta): the first-order loss change is 9 <g, theta>;
-- shift (theta -> theta + c, c = 10 x the parameter's RMS, or 1 for an all-zero one):
-  the first-order change is c * sum(g).
+- shift (theta -> theta + c, c = 10 x the parameter's RMS, or 10 for an all-zero
+  one): the first-order change is c * sum(g).
 
-The perturbations are large on purpose: a parameter the loss truly cannot see
-stays invisible at any size, while one with a small but real influence (a layer of
-a freshly initialised model whose logits are still near uniform) shows it clearly.
+Both are taken relative to |loss|. Candidates are then confirmed by re-running the
+loss function under no_grad on the same RNG state with the parameter changed:
 
-Both are taken relative to |loss|. A candidate is then confirmed by re-running the
-loss function under no_grad with the parameter actually scaled or shifted, on the
-same RNG state, and measuring the relative loss change. Candidates are probed in
-groups: if perturbing all of them at once leaves the loss unchanged, every one is
-invariant (the invariances found here are structural: a normalisation divides the
-factor out whatever the other parameters are), so a typical model costs one extra
-forward per kind; a group that moves the loss is split in halves.
+- shift: invariant when the loss stays within 32 rounding errors (ulps of the
+  loss's dtype). Mean subtraction (LayerNorm, BatchNorm, softmax over a shifted
+  logit) cancels a shift exactly.
+- scale: a normalization cancels a factor only up to its eps, whose residue is
+  about eps / mean(x^2) relative (1e-5 for eps = 1e-5) and dies off as the factor
+  grows. So the loss is taken at 10 theta and at 100 theta: invariant when those
+  two agree within 32 ulps and 10 theta moved the loss by at most 0.1%. A weak but
+  real influence (a layer of a freshly initialised model whose predictions are
+  still uniform, where even x100 moves the loss by only 0.1%) keeps changing
+  between x10 and x100.
+
+Candidates are probed in groups: if changing all of them at once leaves the loss
+unchanged, each is taken to be invariant, so a typical model costs a few extra
+forwards; a group that moves the loss is split in halves. Members can also cancel
+only jointly (a Linear's weight and bias before a LayerNorm), so a group result is
+only ever reported as info; a parameter that would be a warning (a scalar, or one
+whose whole gradient is noise) is probed on its own, first.
 """
 
 from __future__ import annotations
@@ -30,18 +39,25 @@ import torch
 
 # A first-order relative loss change below this makes a parameter a candidate. In a
 # small reproduction of the layer-scalar incident the cancelled scalar scored 7e-7
-# and its healthy siblings 4e-3 to 2.5e-2: 1e-4 sits well between, and a healthy
-# parameter that scores below it only costs a probe.
-SCREEN = 1e-4
+# per unit of <g, theta> and its healthy siblings 4e-3 to 2.5e-2; x9 for the probe's
+# x10, that is 6e-6 against 0.04 and more. A norm eps of 1e-5 raises the cancelled
+# scalar to ~2e-4, hence 2e-3: a healthy parameter below it only costs a share of a
+# grouped probe.
+SCREEN = 2e-3
 SCALE_FACTOR = 10.0
 SHIFT_RMS = 10.0
-# A measured relative loss change at or below this many machine epsilons of the
-# loss's dtype counts as "unchanged". Scaling a scalar that RMSNorm cancels moved the
-# loss by 0 to ~12 float32 ulps (RMSNorm's eps leaves a residue); doubling a real
-# but weak projection of a fresh GPT-2 moved it by 64 ulps, and by far more at x10.
-CONFIRM_EPS = 32
+SHIFT_FOR_ZERO = 10.0
+# "Unchanged": within this many ulps (machine epsilons of the loss's dtype) of the loss.
+CONFIRM_ULPS = 32
+# The x10 point of the scale probe may move the loss by at most this fraction (the
+# eps residue of a normalization); more means the parameter has a real influence.
+SCALE_RESIDUE = 1e-3
 # At most this many extra forwards per check for the functional probes.
 MAX_PROBE_FORWARDS = 24
+# A gradient is at the noise floor when moving the parameter by its own size (by 1
+# for an all-zero one) would, to first order, change the loss by less than 16 ulps
+# of the loss: |g| * max(|theta|, 1) <= 16 * eps * |loss|, eps of the loss's dtype.
+NOISE_FLOOR_ULPS = 16
 
 
 @dataclass(frozen=True)
@@ -59,16 +75,13 @@ class GradStats:
         return (SCALE_FACTOR - 1) * abs(self.grad_dot_param) / _safe(loss)
 
     def shift_step(self) -> float:
-        return SHIFT_RMS * self.param_rms if self.param_rms > 0 else 1.0
+        return SHIFT_RMS * self.param_rms if self.param_rms > 0 else SHIFT_FOR_ZERO
+
+    def at_noise_floor(self, loss: float, eps: float) -> bool:
+        return self.grad_norm * max(self.param_norm, 1.0) <= NOISE_FLOOR_ULPS * eps * _safe(loss)
 
     def shift_score(self, loss: float) -> float:
         return self.shift_step() * abs(self.grad_sum) / _safe(loss)
-
-    def whole_gradient_score(self, loss: float, numel: int) -> float:
-        """First-order loss change for a perturbation of the parameter's own size in
-        the worst direction: |g| * |theta| (or |g| * sqrt(n) for an all-zero one)."""
-        ref = self.param_norm if self.param_norm > 0 else math.sqrt(numel)
-        return self.grad_norm * ref / _safe(loss)
 
 
 def grad_stats(params: Sequence[torch.Tensor]) -> list[GradStats]:
@@ -128,59 +141,84 @@ class _Candidate:
 def confirm(
     candidates: Sequence[tuple[str, torch.Tensor, str, float, float]],
     rerun: Callable[[], float | None],
-    tolerance: float,
     base: float,
+    loss_eps: float,
+    alone: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> dict[tuple[str, str], ProbeResult]:
     """Probe (name, param, kind, screen score, shift step) candidates; see the module doc.
 
     `rerun()` re-runs the loss function under no_grad on the same RNG state and
-    returns its value (None when that is impossible).
+    returns its value (None when that is impossible). Names in `alone` (would-be
+    warnings) are probed on their own, before the grouped rest.
     """
     results: dict[tuple[str, str], ProbeResult] = {}
     budget = [MAX_PROBE_FORWARDS]
+    unchanged = CONFIRM_ULPS * loss_eps
     by_kind: dict[str, list[_Candidate]] = {}
     for name, param, kind, score, step in sorted(candidates, key=lambda c: c[3]):
         by_kind.setdefault(kind, []).append(_Candidate(name, param, kind, score, step))
 
-    def measure(group: list[_Candidate]) -> float | None:
+    def run(
+        group: list[_Candidate], change: Callable[[torch.Tensor, _Candidate], object]
+    ) -> float | None:
         if budget[0] <= 0:
             return None
         budget[0] -= 1
+        with torch.no_grad():
+            for c in group:
+                change(c.param, c)
+        value = rerun()
+        return value if value is not None and math.isfinite(value) else None
+
+    def probe(group: list[_Candidate]) -> tuple[float | None, bool]:
+        """(relative change at the first point, invariant) for the group, restored after."""
         saved = [c.param.detach().clone() for c in group]
         try:
-            with torch.no_grad():
-                for c in group:
-                    if c.kind == "scale":
-                        c.param.mul_(SCALE_FACTOR)
-                    else:
-                        c.param.add_(c.step)
-            value = rerun()
+            kind = group[0].kind
+            if kind == "shift":
+                value = run(group, lambda p, c: p.add_(c.step))
+                if value is None:
+                    return None, False
+                change = abs(value - base) / _safe(base)
+                return change, change <= unchanged
+            at10 = run(group, lambda p, c: p.mul_(SCALE_FACTOR))
+            if at10 is None:
+                return None, False
+            change = abs(at10 - base) / _safe(base)
+            if change > SCALE_RESIDUE:
+                return change, False
+            at100 = run(group, lambda p, c: p.mul_(SCALE_FACTOR))
+            if at100 is None:
+                return change, False
+            return change, abs(at100 - at10) / _safe(base) <= unchanged
         finally:
             with torch.no_grad():
                 for c, s in zip(group, saved, strict=True):
                     c.param.copy_(s)
-        if value is None:
-            return None
-        return abs(value - base) / _safe(base)
+
+    def record(group: list[_Candidate], change: float | None, invariant: bool) -> None:
+        for c in group:
+            shown = change if (invariant or len(group) == 1) else None
+            results[(c.name, c.kind)] = ProbeResult(c.kind, c.score, shown, invariant, len(group))
 
     def settle(group: list[_Candidate]) -> None:
-        change = measure(group)
-        if change is not None and change <= tolerance:
-            for c in group:
-                results[(c.name, c.kind)] = ProbeResult(c.kind, c.score, change, True, len(group))
-            return
-        if change is None or len(group) == 1:
-            for c in group:
-                results[(c.name, c.kind)] = ProbeResult(
-                    c.kind, c.score, change if len(group) == 1 else None, False, len(group)
-                )
-            return
-        half = len(group) // 2
-        settle(group[:half])
-        settle(group[half:])
+        change, invariant = probe(group)
+        if invariant or change is None or len(group) == 1:
+            record(group, change, invariant)
+        else:
+            half = len(group) // 2
+            settle(group[:half])
+            settle(group[half:])
 
     for group in by_kind.values():
-        settle(group)
+        # Would-be warnings first, each on its own: they matter most, and a group
+        # result could not stand for them anyway. The rest share grouped probes.
+        for c in [c for c in group if c.name in alone]:
+            change, invariant = probe([c])
+            record([c], change, invariant)
+        rest = [c for c in group if c.name not in alone]
+        if rest:
+            settle(rest)
     return results
 
 

@@ -6,13 +6,9 @@ from dataclasses import dataclass
 
 from deadweight import param_roles
 from deadweight.probes.grad_flow import GradFlowStats, ParamInfo
-from deadweight.probes.invariance import SCREEN, ProbeResult
+from deadweight.probes.invariance import NOISE_FLOOR_ULPS, ProbeResult
 
-# A gradient is at the noise floor when moving the parameter by its own size (by 1
-# for an all-zero one) would, to first order, change the loss by less than 16 ulps of
-# the loss: |g| * max(|theta|, 1) <= 16 * eps * |loss|, eps of the loss's dtype.
-# The incident's scalar (|g| = 2.8e-10, theta = 1) is 4 orders of magnitude below it.
-NOISE_FLOOR_ULPS = 16
+__all__ = ["NOISE_FLOOR_ULPS", "Ineffective", "at_risk", "no_effective_gradient"]
 
 
 @dataclass(frozen=True)
@@ -34,33 +30,39 @@ def no_effective_gradient(stats: GradFlowStats) -> dict[str, Ineffective]:
     loss = stats.loss.value
     if loss is None or not stats.loss.finite:
         return {}
-    floor = NOISE_FLOOR_ULPS * stats.loss_eps * max(abs(loss), 1e-12)
     out = {}
     for p in stats.params:
         g = p.grad
         if not p.trainable or g is None:
             continue
-        whole = g.whole_gradient_score(loss, p.numel)
-        silent = whole < SCREEN  # no direction of the gradient matters at first order
+        noise = g.at_noise_floor(loss, stats.loss_eps)
         scale = stats.invariance.get((p.name, "scale"))
         shift = stats.invariance.get((p.name, "shift"))
-        if (
-            p.role == param_roles.BIAS
-            and scale is not None
-            and scale.invariant
-            and shift is not None
-            and shift.invariant
-        ):
+        if p.role == param_roles.BIAS and _holds(scale) and _holds(shift):
             scale = None  # a bias that both probes leave unchanged is a shift story
+        # Cannot learn at all: confirmed on its own (a group's members may cancel only
+        # jointly) with nothing left to learn: a single number, or noise everywhere.
+        nothing_left = p.numel == 1 or noise
+
         if g.exact_zero:
             out[p.name] = Ineffective(p, "zero", cannot_learn=False)
         elif scale is not None and scale.invariant:
-            out[p.name] = Ineffective(p, "scale", p.numel == 1 or silent, scale)
+            out[p.name] = Ineffective(p, "scale", nothing_left and scale.group_size == 1, scale)
         elif shift is not None and shift.invariant:
-            out[p.name] = Ineffective(p, "shift", p.numel == 1 or silent, shift)
-        elif g.grad_norm * max(g.param_norm, 1.0) <= floor:
+            out[p.name] = Ineffective(p, "shift", nothing_left and shift.group_size == 1, shift)
+        elif noise and not _contradicted(scale) and not _contradicted(shift):
+            # (a probe that moved the loss means it sits at an optimum, not that it
+            # cannot learn)
             out[p.name] = Ineffective(p, "noise", cannot_learn=True)
     return out
+
+
+def _holds(probe: ProbeResult | None) -> bool:
+    return probe is not None and probe.invariant
+
+
+def _contradicted(probe: ProbeResult | None) -> bool:
+    return probe is not None and probe.relative_change is not None and not probe.invariant
 
 
 def at_risk(stats: GradFlowStats) -> dict[str, Ineffective]:

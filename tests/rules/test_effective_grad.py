@@ -1,0 +1,547 @@
+"""DW103 / DW104 / DW105: gradients that carry no information, screened and probed.
+
+Every case is checked against a slow reference where numbers are involved: the
+relative loss change of a perturbation is recomputed on a deep copy, <g, theta> and
+sum(g) with a plain backward on a deep copy.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import deadweight
+from deadweight import Severity
+from deadweight.demos import layer_scalar_drift as d
+from deadweight.probes import invariance
+from deadweight.probes.grad_flow import measure_grad_flow
+
+LAST = f"blocks.{d.LAYERS - 1}.layer_scalar"
+SCALARS = {f"blocks.{i}.layer_scalar" for i in range(d.LAYERS)}
+LossOf = Callable[[nn.Module], torch.Tensor]
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def check(model: nn.Module, loss_of: LossOf, optimizer=None) -> deadweight.Report:
+    return deadweight.check(model, lambda: loss_of(model), optimizer)
+
+
+def flagged(report: deadweight.Report, code: str, severity: Severity | None = None) -> set[str]:
+    return {
+        p
+        for f in report.by_code(code)
+        if severity is None or f.severity is severity
+        for p in f.params
+    }
+
+
+def all_flagged(report: deadweight.Report) -> set[str]:
+    return {p for f in report.findings for p in f.params}
+
+
+def no_decay_adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+
+
+# The probe's "unchanged" bar, relative to |loss|.
+TOL = invariance.CONFIRM_ULPS * torch.finfo(torch.float32).eps  # the shift bar
+
+
+def relative_change_alone(model: nn.Module, loss_of: LossOf, name: str, kind: str) -> float:
+    """Slow reference: perturb only `name` on a deep copy, re-run the loss under no_grad."""
+    clone = copy.deepcopy(model)
+    p = dict(clone.named_parameters())[name]
+    with torch.no_grad():
+        base = loss_of(clone).item()
+        if kind == "scale":
+            p.mul_(invariance.SCALE_FACTOR)
+        else:
+            rms = p.float().pow(2).mean().sqrt().item()
+            p.add_(invariance.SHIFT_RMS * rms if rms > 0 else invariance.SHIFT_FOR_ZERO)
+        return abs(loss_of(clone).item() - base) / abs(base)
+
+
+def plain_grads(model: nn.Module, loss_of: LossOf) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Slow reference: name -> (grad, value) from a plain backward on a deep copy."""
+    clone = copy.deepcopy(model)
+    loss_of(clone).backward()
+    return {n: (p.grad, p.detach()) for n, p in clone.named_parameters() if p.grad is not None}
+
+
+def snapshot(model: nn.Module) -> dict[str, bytes]:
+    return {
+        n: bytes(p.detach().contiguous().view(torch.uint8).flatten().tolist())
+        for n, p in model.named_parameters()
+    }
+
+
+# -- models -------------------------------------------------------------------------
+
+
+def incident(norm_eps: float | None = None) -> tuple[d.Setup, LossOf]:
+    """The seed-2 demo with its batch fixed, and a loss that takes the model."""
+    setup = d.make()
+    if norm_eps is not None:
+        for m in setup.model.modules():
+            if isinstance(m, d.RMSNorm):
+                m.eps = norm_eps
+    setup.next_batch()
+    x, y = setup.batch  # type: ignore[misc]
+    return setup, lambda m: F.mse_loss(m(x), y)
+
+
+X = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+Y = torch.randn(32, 4, generator=torch.Generator().manual_seed(2))
+
+
+def mse(m: nn.Module) -> torch.Tensor:
+    return F.mse_loss(m(X), Y)
+
+
+class ScalarBeforeNorm(nn.Module):
+    """h -> s * h -> norm -> head: the incident in six lines."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.scalar = nn.Parameter(torch.ones(1))
+        self.norm = norm
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.scalar * torch.tanh(self.inp(x))))
+
+
+class ProjectionBeforeNorm(nn.Module):
+    """QK-norm style: q = norm(W x), the normalized output is used; W's norm is free."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 32, bias=False)
+        self.norm = norm
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.q(x)))
+
+
+def conv_bn(bias: bool) -> tuple[nn.Module, LossOf]:
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, bias=bias),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+    x = torch.randn(8, 3, 10, 10)
+    y = torch.randn(8, 4)
+    return model, lambda m: F.mse_loss(m(x), y)
+
+
+def linear_layernorm() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+class LoRA(nn.Module):
+    """base(x) + B(A(x)) with B zero-initialised: A's gradient is exactly zero at step 0."""
+
+    def __init__(self, zero_b: bool = True) -> None:
+        super().__init__()
+        self.base = nn.Linear(16, 4)
+        self.A = nn.Linear(16, 4, bias=False)
+        self.B = nn.Linear(4, 4, bias=False)
+        if zero_b:
+            nn.init.zeros_(self.B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.B(self.A(x))
+
+
+class FittedGain(nn.Module):
+    """gain * lin(x) with the gain set to its least-squares optimum: the loss depends on
+    it strongly, but its gradient is rounding noise far below the floor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 4, bias=False)
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gain * self.lin(x)
+
+
+def fitted_gain() -> FittedGain:
+    torch.manual_seed(1)  # a seed whose float32 optimum leaves a nonzero residue
+    model = FittedGain()
+    with torch.no_grad():
+        f = model.lin(X).double()
+        model.gain.fill_(((f * Y.double()).sum() / (f * f).sum()).item())
+    return model
+
+
+# -- DW104 --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def incident_report() -> tuple[d.Setup, LossOf, deadweight.Report]:
+    torch.manual_seed(0)
+    setup, loss_of = incident()
+    return setup, loss_of, deadweight.check(setup.model, setup.loss, setup.optimizer)
+
+
+def test_dw104_warns_on_the_incident_scalar_and_nothing_else(incident_report):
+    _, _, report = incident_report
+    (dw104,) = [f for f in report.by_code("DW104") if f.severity is Severity.WARNING]
+    assert dw104.params == (LAST,)
+    assert dw104.location is not None and dw104.location.module == f"blocks.{d.LAYERS - 1}"
+    assert all_flagged(report) & SCALARS == {LAST}  # the scalars that learn: silent
+    assert not report.by_code("DW103")  # confirmed invariant: DW104's story, not DW103's
+
+
+def test_dw104_evidence_matches_a_slow_reference(incident_report):
+    setup, loss_of, report = incident_report
+    (dw104,) = report.by_code("DW104")
+    entry = dw104.evidence["params"][LAST]
+    assert entry["probe"] == f"x{invariance.SCALE_FACTOR:g}"
+    ref_change = relative_change_alone(setup.model, loss_of, LAST, "scale")
+    assert entry["relative_loss_change"] == pytest.approx(ref_change, abs=1e-7)
+    assert entry["relative_loss_change"] <= TOL
+
+    grads = plain_grads(setup.model, loss_of)
+    g, theta = grads[LAST]
+    assert entry["grad_dot_param"] == pytest.approx((g * theta).sum().item(), rel=1e-4)
+    assert entry["grad_norm"] == pytest.approx(g.norm().item(), rel=1e-4)
+    assert entry["param_norm"] == pytest.approx(theta.norm().item(), rel=1e-6)
+    assert dw104.evidence["loss"] == pytest.approx(loss_of(copy.deepcopy(setup.model)).item())
+    # the screen score is the first-order change of the same perturbation
+    expected_screen = (invariance.SCALE_FACTOR - 1) * abs(entry["grad_dot_param"])
+    assert entry["screen_score"] == pytest.approx(expected_screen / dw104.evidence["loss"])
+    assert entry["screen_score"] < invariance.SCREEN
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [
+        lambda: nn.LayerNorm(32, eps=1e-6),
+        lambda: nn.RMSNorm(32),
+        lambda: d.RMSNorm(32),
+    ],
+    ids=["LayerNorm", "nn.RMSNorm", "custom-RMSNorm"],
+)
+def test_dw104_warns_on_a_scalar_right_before_a_norm(norm):
+    model = ScalarBeforeNorm(norm())
+    report = check(model, mse, no_decay_adamw(model))
+    assert flagged(report, "DW104", Severity.WARNING) == {"scalar"}
+    assert flagged(report, "DW204") == {"scalar"}
+    assert relative_change_alone(model, mse, "scalar", "scale") <= TOL
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [lambda: nn.LayerNorm(32, eps=1e-6), lambda: nn.RMSNorm(32)],
+    ids=["LayerNorm", "RMSNorm"],
+)
+def test_dw104_is_info_for_a_projection_whose_direction_still_learns(norm):
+    model = ProjectionBeforeNorm(norm())
+    report = check(model, mse, no_decay_adamw(model))
+    (dw104,) = report.by_code("DW104")
+    assert dw104.severity is Severity.INFO
+    assert dw104.params == ("q.weight",)
+    assert "q.weight" not in flagged(report, "DW204")  # its direction learns: no drift
+    assert "q.weight" not in flagged(report, "DW103")
+    # the reference agrees: scaling alone leaves the loss alone, yet the gradient is real
+    assert relative_change_alone(model, mse, "q.weight", "scale") <= TOL
+    g, theta = plain_grads(model, mse)["q.weight"]
+    assert g.norm() * theta.norm() / mse(model).detach() > invariance.SCREEN
+    entry = dw104.evidence["params"]["q.weight"]
+    assert entry["grad_dot_param"] == pytest.approx((g * theta).sum().item(), rel=1e-3, abs=1e-9)
+
+
+def test_dw104_silent_on_a_healthy_mlp():
+    model = mlp()
+    report = check(model, mse, no_decay_adamw(model))
+    assert not report.by_code("DW103")
+    assert not report.by_code("DW104")
+    assert not report.by_code("DW105")
+    assert not report.by_code("DW204")
+
+
+def test_incident_scalar_is_caught_with_rmsnorm_eps_1e_5():
+    torch.manual_seed(0)
+    setup, _ = incident(norm_eps=1e-5)
+    report = deadweight.check(setup.model, setup.loss, setup.optimizer)
+    assert flagged(report, "DW104", Severity.WARNING) == {LAST}
+    assert flagged(report, "DW204") == {LAST}
+
+
+class JointlyCancelled(nn.Module):
+    """main(x) + k * head(LN(a * W x + c * offset)): LN cancels the scalars a and c only
+    when both are scaled together; scaling `a` alone changes the loss."""
+
+    def __init__(self, k: float = 2e-3) -> None:
+        super().__init__()
+        self.k = k
+        self.main = nn.Linear(8, 2)
+        self.proj = nn.Linear(8, 16, bias=False)
+        self.offset = nn.Parameter(torch.randn(16))
+        self.a = nn.Parameter(torch.ones(1))
+        self.c = nn.Parameter(torch.ones(1))
+        self.norm = nn.LayerNorm(16, eps=1e-6)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixed = self.a * self.proj(x) + self.c * self.offset
+        return self.main(x) + self.k * self.head(self.norm(mixed))
+
+
+def test_group_probe_does_not_confirm_parameters_that_are_only_jointly_invariant():
+    torch.manual_seed(2)
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+    model = JointlyCancelled()
+
+    def loss_of(m: nn.Module) -> torch.Tensor:
+        return F.mse_loss(m(x), y)
+
+    report = check(model, loss_of, no_decay_adamw(model))
+    for code, kind in (("DW104", "scale"), ("DW105", "shift")):
+        for name in sorted(flagged(report, code)):
+            change = relative_change_alone(model, loss_of, name, kind)
+            assert change <= TOL, (name, kind, f"{change / TOL:.1f} x the tolerance")
+
+
+# -- DW105 --------------------------------------------------------------------------
+
+
+def test_dw105_warns_on_a_conv_bias_right_before_batchnorm():
+    model, loss_of = conv_bn(bias=True)
+    report = check(model, loss_of, no_decay_adamw(model))
+    warned = [f for f in report.by_code("DW105") if f.severity is Severity.WARNING]
+    assert [f.params for f in warned] == [("0.bias",)]
+    assert "0.bias" in flagged(report, "DW204")
+    assert "0.bias" not in flagged(report, "DW104")  # a bias both probes accept: shift story
+    (finding,) = warned
+    entry = finding.evidence["params"]["0.bias"]
+    assert entry["probe"] == "+shift"
+    # both are rounding noise, a few ulps of the loss apart
+    assert entry["relative_loss_change"] == pytest.approx(
+        relative_change_alone(model, loss_of, "0.bias", "shift"), abs=1e-6
+    )
+    g, theta = plain_grads(model, loss_of)["0.bias"]
+    assert entry["grad_sum"] == pytest.approx(g.sum().item(), rel=1e-3, abs=1e-9)
+    assert entry["grad_dot_param"] == pytest.approx((g * theta).sum().item(), rel=1e-3, abs=1e-9)
+
+
+def test_dw105_silent_when_the_conv_has_no_bias():
+    model, loss_of = conv_bn(bias=False)
+    report = check(model, loss_of, no_decay_adamw(model))
+    assert not flagged(report, "DW105", Severity.WARNING)
+    assert not report.by_code("DW204")
+    assert not report.by_code("DW103")
+
+
+def test_dw105_is_info_when_only_the_mean_of_a_bias_is_free():
+    model = linear_layernorm()
+    report = check(model, mse, no_decay_adamw(model))
+    (dw105,) = report.by_code("DW105")
+    assert dw105.severity is Severity.INFO
+    assert "0.bias" in dw105.params
+    assert "0.bias" not in flagged(report, "DW204")
+    # the reference: a uniform shift is cancelled, a non-uniform change is not
+    assert relative_change_alone(model, mse, "0.bias", "shift") <= TOL
+    assert relative_change_alone(model, mse, "0.bias", "scale") > 1e-4
+
+
+def test_dw105_silent_on_biases_that_learn():
+    model = mlp()
+    report = check(model, mse)
+    assert not report.by_code("DW105")
+
+
+# -- DW103 --------------------------------------------------------------------------
+
+
+def test_dw103_is_info_for_an_exactly_zero_gradient():
+    model = LoRA(zero_b=True)
+    report = check(model, mse, no_decay_adamw(model))
+    (dw103,) = report.by_code("DW103")
+    assert dw103.severity is Severity.INFO
+    assert dw103.params == ("A.weight",)
+    assert dw103.evidence["params"]["A.weight"]["grad_norm"] == 0.0
+    # an exact zero is not noise Adam could amplify, and is never probed
+    assert "A.weight" not in flagged(report, "DW104") | flagged(report, "DW105")
+    assert not report.by_code("DW204")
+    stats = measure_grad_flow(model, lambda: mse(model))
+    assert not any(name == "A.weight" for name, _ in stats.invariance)
+
+
+def test_dw103_silent_once_lora_b_is_nonzero():
+    model = LoRA(zero_b=False)
+    report = check(model, mse, no_decay_adamw(model))
+    assert not report.by_code("DW103")
+
+
+def test_a_gradient_below_the_floor_at_an_optimum_is_not_a_finding():
+    # A gain fitted to its least-squares optimum: its gradient is a rounding residue,
+    # but the probe shows the loss depends on it strongly. It sits at an optimum; it
+    # is not a parameter that cannot learn, so neither DW103 nor DW204 fires.
+    model = fitted_gain()
+    stats = measure_grad_flow(model, lambda: mse(model))
+    gain = stats.param("gain").grad
+    assert gain is not None and not gain.exact_zero  # precondition: rounding residue
+    probe = stats.invariance[("gain", "scale")]
+    assert not probe.invariant and probe.relative_change > 1e-2  # the loss does depend on it
+    report = check(model, mse, torch.optim.AdamW(model.parameters(), weight_decay=0.0))
+    assert "gain" not in flagged(report, "DW103")
+    assert "gain" not in flagged(report, "DW104")
+    assert "gain" not in flagged(report, "DW204")
+    # the floor: |g| * max(|theta|, 1) <= 16 ulps of the loss
+    g, theta = plain_grads(model, mse)["gain"]
+    floor = 16 * torch.finfo(torch.float32).eps * mse(model).item()
+    assert 0 < g.norm().item() * max(theta.norm().item(), 1.0) <= floor
+
+
+# -- probes: state, random batches, budget -------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["incident", "conv_bn", "linear_layernorm", "projection"])
+def test_probes_leave_parameters_bitwise_unchanged(case):
+    if case == "incident":
+        setup, loss_of = incident()
+        model = setup.model
+    elif case == "conv_bn":
+        model, loss_of = conv_bn(bias=True)
+    elif case == "linear_layernorm":
+        model, loss_of = linear_layernorm(), mse
+    else:
+        model, loss_of = ProjectionBeforeNorm(nn.RMSNorm(32)), mse
+    before = snapshot(model)
+    stats = measure_grad_flow(model, lambda: loss_of(model))
+    assert stats.invariance  # the probes did run: the comparison is not vacuous
+    assert snapshot(model) == before
+    check(model, loss_of)
+    assert snapshot(model) == before
+
+
+def test_loss_fn_drawing_a_new_batch_each_call_skips_the_probes():
+    setup = d.make()
+
+    def fresh_batch() -> torch.Tensor:
+        setup.next_batch()  # a private generator: restoring the global RNG does not help
+        return setup.loss()
+
+    stats = measure_grad_flow(setup.model, fresh_batch, setup.optimizer)
+    assert stats.invariance == {}
+    assert stats.probe_note is not None
+    assert "skipped" in stats.probe_note and "fixed batch" in stats.probe_note
+    report = deadweight.check(setup.model, fresh_batch, setup.optimizer)
+    assert not report.by_code("DW104")
+    assert not report.by_code("DW105")
+
+
+def test_fixed_batch_control_does_probe():
+    setup, _ = incident()
+    stats = measure_grad_flow(setup.model, setup.loss, setup.optimizer)
+    assert stats.probe_note is None
+    assert stats.invariance[(LAST, "scale")].invariant
+
+
+def _counting(loss_of: LossOf, model: nn.Module) -> tuple[Callable[[], torch.Tensor], list[int]]:
+    calls = [0]
+
+    def loss_fn() -> torch.Tensor:
+        calls[0] += 1
+        return loss_of(model)
+
+    return loss_fn, calls
+
+
+def test_group_probes_confirm_many_free_bias_means_within_the_budget():
+    layers = 30  # more invariant biases than MAX_PROBE_FORWARDS
+    assert layers > invariance.MAX_PROBE_FORWARDS
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU()]
+    model = nn.Sequential(*blocks, nn.Linear(8, 2))
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+    biases = {f"{3 * i}.bias" for i in range(layers)}
+
+    loss_fn, calls = _counting(lambda m: F.mse_loss(m(x), y), model)
+    report = deadweight.check(model, loss_fn)
+    # the checked run, the re-run that sets the baseline, then at most the budget
+    assert calls[0] <= 2 + invariance.MAX_PROBE_FORWARDS
+    (dw105,) = report.by_code("DW105")
+    assert dw105.severity is Severity.INFO
+    assert biases <= set(dw105.params)
+    assert dw105.evidence["omitted"] == len(dw105.params) - len(dw105.evidence["params"])
+
+
+def test_group_probes_confirm_every_bias_before_batchnorm():
+    layers = 30
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()]
+    model = nn.Sequential(*blocks, nn.Linear(8, 2))
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+    biases = {f"{3 * i}.bias" for i in range(layers)}
+
+    loss_fn, calls = _counting(lambda m: F.mse_loss(m(x), y), model)
+    report = deadweight.check(model, loss_fn)
+    assert calls[0] <= 2 + invariance.MAX_PROBE_FORWARDS
+    # each is probed on its own (a would-be warning) until the budget of forwards is spent
+    assert len(biases & flagged(report, "DW105")) >= invariance.MAX_PROBE_FORWARDS - 4
+    assert flagged(report, "DW105", Severity.WARNING) <= biases  # weights: info at most
+    # warnings need a confirmation on its own; the budget covers most, the rest are info
+    warned = flagged(report, "DW105", Severity.WARNING)
+    assert len(warned) >= 10
+
+
+def test_small_but_real_attention_gradients_are_not_called_noise():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=3,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()  # no dropout
+    ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 2])
+
+    def loss_of(m: nn.Module) -> torch.Tensor:
+        return m(input_ids=ids, labels=labels).loss
+
+    query = [
+        f"bert.encoder.layer.{i}.attention.self.query.{k}"
+        for i in (0, 1)
+        for k in ("weight", "bias")
+    ]
+    # reference: the float32 gradient is the float64 one, so it is signal, not rounding noise
+    g32 = plain_grads(model, loss_of)
+    g64 = plain_grads(copy.deepcopy(model).double(), loss_of)
+    for name in query:
+        cos = F.cosine_similarity(g32[name][0].double().flatten(), g64[name][0].flatten(), dim=0)
+        assert cos > 0.999, (name, cos)
+
+    opt = torch.optim.AdamW(deadweight.param_groups(model, 0.1), lr=1e-4)
+    report = check(model, loss_of, opt)
+    warned = {
+        p for f in report.findings if f.severity.rank >= Severity.WARNING.rank for p in f.params
+    }
+    assert not warned & set(query), sorted(warned & set(query))
