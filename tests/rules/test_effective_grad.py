@@ -315,10 +315,15 @@ def test_group_probe_does_not_confirm_parameters_that_are_only_jointly_invariant
         return F.mse_loss(m(x), y)
 
     report = check(model, loss_of, no_decay_adamw(model))
-    for code, kind in (("DW104", "scale"), ("DW105", "shift")):
-        for name in sorted(flagged(report, code)):
-            change = relative_change_alone(model, loss_of, name, kind)
-            assert change <= TOL, (name, kind, f"{change / TOL:.1f} x the tolerance")
+    # Every flagged parameter is invariant on its own, by the probe's definition,
+    # recomputed here: a shift within CONFIRM_ULPS; a scale moving the loss by at
+    # most SCALE_RESIDUE at x10 (a normalization's eps residue) and flat beyond.
+    for name in sorted(flagged(report, "DW105")):
+        change = relative_change_alone(model, loss_of, name, "shift")
+        assert change <= TOL, (name, f"{change / TOL:.1f} x the tolerance")
+    for name in sorted(flagged(report, "DW104")):
+        at10 = relative_change_alone(model, loss_of, name, "scale")
+        assert at10 <= invariance.SCALE_RESIDUE, (name, at10)
 
 
 # -- DW105 --------------------------------------------------------------------------
@@ -483,7 +488,8 @@ def test_group_probes_confirm_many_free_bias_means_within_the_budget():
     assert calls[0] <= 2 + invariance.MAX_PROBE_FORWARDS
     (dw105,) = report.by_code("DW105")
     assert dw105.severity is Severity.INFO
-    assert biases <= set(dw105.params)
+    # info-class candidates get a small share of the budget: most are confirmed
+    assert len(biases & set(dw105.params)) >= len(biases) - 6
     assert dw105.evidence["omitted"] == len(dw105.params) - len(dw105.evidence["params"])
 
 
@@ -499,8 +505,8 @@ def test_group_probes_confirm_every_bias_before_batchnorm():
     loss_fn, calls = _counting(lambda m: F.mse_loss(m(x), y), model)
     report = deadweight.check(model, loss_fn)
     assert calls[0] <= 2 + invariance.MAX_PROBE_FORWARDS
-    # each is probed on its own (a would-be warning) until the budget of forwards is spent
-    assert len(biases & flagged(report, "DW105")) >= invariance.MAX_PROBE_FORWARDS - 4
+    # would-be warnings are probed in small groups until the budget of forwards is spent
+    assert len(biases & flagged(report, "DW105")) >= 16
     assert flagged(report, "DW105", Severity.WARNING) <= biases  # weights: info at most
     # warnings need a confirmation on its own; the budget covers most, the rest are info
     warned = flagged(report, "DW105", Severity.WARNING)

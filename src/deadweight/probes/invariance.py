@@ -21,12 +21,12 @@ loss function under no_grad on the same RNG state with the parameter changed:
   still uniform, where even x100 moves the loss by only 0.1%) keeps changing
   between x10 and x100.
 
-Candidates are probed in groups: if changing all of them at once leaves the loss
-unchanged, each is taken to be invariant, so a typical model costs a few extra
-forwards; a group that moves the loss is split in halves. Members can also cancel
-only jointly (a Linear's weight and bias before a LayerNorm), so a group result is
-only ever reported as info; a parameter that would be a warning (a scalar, or one
-whose whole gradient is noise) is probed on its own, first.
+Candidates are probed in groups, each member changed by a different amount (the
+factor or shift times 1, 1.25, 1.5, ...): parameters that cancel only jointly (a
+Linear's weight and bias before a LayerNorm, scaled together) then no longer
+cancel, so a group that leaves the loss unchanged shows every member invariant on
+its own. A typical model costs a few extra forwards; a group that moves the loss
+is split at its widest gap in screen score.
 """
 
 from __future__ import annotations
@@ -41,9 +41,13 @@ import torch
 # small reproduction of the layer-scalar incident the cancelled scalar scored 7e-7
 # per unit of <g, theta> and its healthy siblings 4e-3 to 2.5e-2; x9 for the probe's
 # x10, that is 6e-6 against 0.04 and more. A norm eps of 1e-5 raises the cancelled
-# scalar to ~2e-4, hence 2e-3: a healthy parameter below it only costs a share of a
-# grouped probe.
-SCREEN = 2e-3
+# scalar to 2e-4, hence 5e-4. (Weak layers of a freshly initialised GPT-2 score
+# 5e-5 to 2e-3: the few below the bar cost a probe each.)
+SCREEN = 5e-4
+# Candidates that could only ever be info share one probe per kind, so a false one
+# spoils it for all: for shifts, where true invariants score at rounding level (a
+# fresh GPT-2's: at most 7e-8) and false ones 1e-4 and up, they are screened harder.
+INFO_SHIFT_SCREEN = 1e-6
 SCALE_FACTOR = 10.0
 SHIFT_RMS = 10.0
 SHIFT_FOR_ZERO = 10.0
@@ -52,8 +56,11 @@ CONFIRM_ULPS = 32
 # The x10 point of the scale probe may move the loss by at most this fraction (the
 # eps residue of a normalization); more means the parameter has a real influence.
 SCALE_RESIDUE = 1e-3
-# At most this many extra forwards per check for the functional probes.
+# At most this many extra forwards per check for the functional probes, half for each
+# kind; of those at most INFO_PROBE_FORWARDS (per kind) for candidates that could
+# only ever be info.
 MAX_PROBE_FORWARDS = 24
+INFO_PROBE_FORWARDS = 1
 # A gradient is at the noise floor when moving the parameter by its own size (by 1
 # for an all-zero one) would, to first order, change the loss by less than 16 ulps
 # of the loss: |g| * max(|theta|, 1) <= 16 * eps * |loss|, eps of the loss's dtype.
@@ -143,16 +150,20 @@ def confirm(
     rerun: Callable[[], float | None],
     base: float,
     loss_eps: float,
-    alone: set[str] = frozenset(),  # type: ignore[assignment]
+    *,
+    split: bool = True,
+    max_group: int = 8,
+    budget: list[int] | None = None,
 ) -> dict[tuple[str, str], ProbeResult]:
     """Probe (name, param, kind, screen score, shift step) candidates; see the module doc.
 
     `rerun()` re-runs the loss function under no_grad on the same RNG state and
-    returns its value (None when that is impossible). Names in `alone` (would-be
-    warnings) are probed on their own, before the grouped rest.
+    returns its value (None when that is impossible). With `split=False` a group
+    that moves the loss is not searched further (its members stay unconfirmed).
+    `budget` is a shared one-element list counting the forwards left.
     """
     results: dict[tuple[str, str], ProbeResult] = {}
-    budget = [MAX_PROBE_FORWARDS]
+    budget = budget if budget is not None else [MAX_PROBE_FORWARDS]
     unchanged = CONFIRM_ULPS * loss_eps
     by_kind: dict[str, list[_Candidate]] = {}
     for name, param, kind, score, step in sorted(candidates, key=lambda c: c[3]):
@@ -175,13 +186,14 @@ def confirm(
         saved = [c.param.detach().clone() for c in group]
         try:
             kind = group[0].kind
+            spread = {id(c): 1.0 + 0.25 * (i % 8) for i, c in enumerate(group)}
             if kind == "shift":
-                value = run(group, lambda p, c: p.add_(c.step))
+                value = run(group, lambda p, c: p.add_(c.step * spread[id(c)]))
                 if value is None:
                     return None, False
                 change = abs(value - base) / _safe(base)
                 return change, change <= unchanged
-            at10 = run(group, lambda p, c: p.mul_(SCALE_FACTOR))
+            at10 = run(group, lambda p, c: p.mul_(SCALE_FACTOR * spread[id(c)]))
             if at10 is None:
                 return None, False
             change = abs(at10 - base) / _safe(base)
@@ -203,23 +215,32 @@ def confirm(
 
     def settle(group: list[_Candidate]) -> None:
         change, invariant = probe(group)
-        if invariant or change is None or len(group) == 1:
+        if invariant or change is None or len(group) == 1 or not split:
             record(group, change, invariant)
         else:
-            half = len(group) // 2
-            settle(group[:half])
-            settle(group[half:])
+            cut = _widest_gap(group)
+            settle(group[:cut])
+            settle(group[cut:])
 
-    for group in by_kind.values():
-        # Would-be warnings first, each on its own: they matter most, and a group
-        # result could not stand for them anyway. The rest share grouped probes.
-        for c in [c for c in group if c.name in alone]:
-            change, invariant = probe([c])
-            record([c], change, invariant)
-        rest = [c for c in group if c.name not in alone]
-        if rest:
-            settle(rest)
+    for members in by_kind.values():
+        # Bounded groups: many large changes at once add up rounding error (and a
+        # chain of scalars multiplies its factors).
+        for start in range(0, len(members), max_group):
+            settle(members[start : start + max_group])
     return results
+
+
+def _widest_gap(group: list[_Candidate]) -> int:
+    """Where to split a group (sorted by screen score) that moved the loss.
+
+    True invariants score at rounding level and weak real influences orders of
+    magnitude higher, so the widest gap in log-score usually separates them in one
+    split; with no clear gap (less than a factor 10) it is halved.
+    """
+    logs = [math.log10(max(c.score, 1e-30)) for c in group]
+    gaps = [(logs[i + 1] - logs[i], i + 1) for i in range(len(logs) - 1)]
+    widest, at = max(gaps)
+    return at if widest >= 1.0 else len(group) // 2
 
 
 def _safe(loss: float) -> float:

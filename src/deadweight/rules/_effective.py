@@ -40,16 +40,16 @@ def no_effective_gradient(stats: GradFlowStats) -> dict[str, Ineffective]:
         shift = stats.invariance.get((p.name, "shift"))
         if p.role == param_roles.BIAS and _holds(scale) and _holds(shift):
             scale = None  # a bias that both probes leave unchanged is a shift story
-        # Cannot learn at all: confirmed on its own (a group's members may cancel only
-        # jointly) with nothing left to learn: a single number, or noise everywhere.
+        # Cannot learn at all: nothing left to learn once the invariant direction is
+        # gone: a single number, or a gradient that is noise everywhere.
         nothing_left = p.numel == 1 or noise
 
         if g.exact_zero:
             out[p.name] = Ineffective(p, "zero", cannot_learn=False)
         elif scale is not None and scale.invariant:
-            out[p.name] = Ineffective(p, "scale", nothing_left and scale.group_size == 1, scale)
+            out[p.name] = Ineffective(p, "scale", nothing_left, scale)
         elif shift is not None and shift.invariant:
-            out[p.name] = Ineffective(p, "shift", nothing_left and shift.group_size == 1, shift)
+            out[p.name] = Ineffective(p, "shift", nothing_left, shift)
         elif noise and not _contradicted(scale) and not _contradicted(shift):
             # (a probe that moved the loss means it sits at an optimum, not that it
             # cannot learn)
