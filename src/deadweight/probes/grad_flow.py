@@ -332,22 +332,26 @@ def _probe_invariance(
     and Adam does not move a parameter on exact zeros.
     """
     # Would-be warnings (a single number, or a gradient that is noise everywhere: it
-    # could not learn at all) are probed with care: on the same RNG state as a
-    # fresh re-run, in small groups, bisected. The rest could only ever be info (a
-    # norm or a mean that is free while the parameter learns): one group per kind,
-    # compared with the loss already computed, split only within a small budget.
+    # could not learn at all) are what the probes are for: small groups, bisected,
+    # within the budget. Candidates that could only ever be info are probed only when
+    # there are no would-be warnings, and only for scale (a free norm, as in QK-norm):
+    # one group, one look. Every probe is a forward, so this keeps a typical check
+    # to two extra forwards.
     careful: list[tuple[str, torch.Tensor, str, float, float]] = []
     cheap: list[tuple[str, torch.Tensor, str, float, float]] = []
     for name, p in with_grad:
         s = stats[name]
         if s.exact_zero:
             continue
-        bucket = careful if p.numel() == 1 or s.at_noise_floor(loss_value, loss_eps) else cheap
+        would_warn = p.numel() == 1 or s.at_noise_floor(loss_value, loss_eps)
         if s.param_norm > 0 and s.scale_score(loss_value) < invariance.SCREEN:
-            bucket.append((name, p, "scale", s.scale_score(loss_value), 0.0))
+            (careful if would_warn else cheap).append(
+                (name, p, "scale", s.scale_score(loss_value), 0.0)
+            )
         # A single number is covered by the scale probe unless it is 0.
-        if (p.numel() > 1 or s.param_norm == 0) and s.shift_score(loss_value) < invariance.SCREEN:
-            bucket.append((name, p, "shift", s.shift_score(loss_value), s.shift_step()))
+        shift_ok = p.numel() > 1 or s.param_norm == 0
+        if would_warn and shift_ok and s.shift_score(loss_value) < invariance.SCREEN:
+            careful.append((name, p, "shift", s.shift_score(loss_value), s.shift_step()))
     if not careful and not cheap:
         return {}, None
     if not runnable:
@@ -365,34 +369,29 @@ def _probe_invariance(
         return float(out.detach().float().item())
 
     results: dict[tuple[str, str], ProbeResult] = {}
-    base = loss_value
     if careful:
-        fresh = rerun()
-        # A loss_fn that draws a new batch on every call cannot be probed: compare its
-        # re-run with the checked value (loosely: no_grad may pick other kernels).
-        if fresh is None or abs(fresh - loss_value) > 1e-4 * max(abs(loss_value), 1e-12):
-            return {}, (
-                "functional probes skipped: re-running loss_fn gave a different loss "
-                f"({fresh} vs {loss_value}); make it use one fixed batch"
+        for kind in ("scale", "shift"):  # each kind its own half of the budget
+            mine = [c for c in careful if c[2] == kind]
+            if mine:
+                budget = [invariance.MAX_PROBE_FORWARDS // 2]
+                results.update(invariance.confirm(mine, rerun, loss_value, loss_eps, budget=budget))
+        if not all(r.invariant for r in results.values()):
+            # Something moved the loss: make sure it was the parameter, not a loss_fn
+            # that draws a new batch on every call (loosely: no_grad may pick other
+            # kernels than the checked run did).
+            fresh = rerun()
+            if fresh is None or abs(fresh - loss_value) > 1e-4 * max(abs(loss_value), 1e-12):
+                return {}, (
+                    "functional probes skipped: re-running loss_fn gave a different loss "
+                    f"({fresh} vs {loss_value}); make it use one fixed batch"
+                )
+    elif cheap:
+        share = [2]  # one scale probe: at 10x and at 100x
+        results.update(
+            invariance.confirm(
+                cheap, rerun, loss_value, loss_eps, max_group=len(cheap), budget=share
             )
-        base = fresh
-    for kind in ("scale", "shift"):  # each kind its own half of the budget
-        budget = [invariance.MAX_PROBE_FORWARDS // 2]
-        mine = [c for c in careful if c[2] == kind]
-        if mine:
-            results.update(invariance.confirm(mine, rerun, base, loss_eps, budget=budget))
-        info = [
-            c
-            for c in cheap
-            if c[2] == kind and (kind == "scale" or c[3] < invariance.INFO_SHIFT_SCREEN)
-        ]
-        if info:
-            # Info only, so it gets one forward per kind.
-            # (a scale probe takes two forwards: at 10x and at 100x)
-            share = [min(budget[0], invariance.INFO_PROBE_FORWARDS * (2 if kind == "scale" else 1))]
-            results.update(
-                invariance.confirm(info, rerun, base, loss_eps, max_group=len(info), budget=share)
-            )
+        )
     return results, None
 
 

@@ -44,10 +44,6 @@ import torch
 # scalar to 2e-4, hence 5e-4. (Weak layers of a freshly initialised GPT-2 score
 # 5e-5 to 2e-3: the few below the bar cost a probe each.)
 SCREEN = 5e-4
-# Candidates that could only ever be info share one probe per kind, so a false one
-# spoils it for all: for shifts, where true invariants score at rounding level (a
-# fresh GPT-2's: at most 7e-8) and false ones 1e-4 and up, they are screened harder.
-INFO_SHIFT_SCREEN = 1e-6
 SCALE_FACTOR = 10.0
 SHIFT_RMS = 10.0
 SHIFT_FOR_ZERO = 10.0
@@ -56,11 +52,8 @@ CONFIRM_ULPS = 32
 # The x10 point of the scale probe may move the loss by at most this fraction (the
 # eps residue of a normalization); more means the parameter has a real influence.
 SCALE_RESIDUE = 1e-3
-# At most this many extra forwards per check for the functional probes, half for each
-# kind; of those at most INFO_PROBE_FORWARDS (per kind) for candidates that could
-# only ever be info.
+# At most this many extra forwards per check for the functional probes, half per kind.
 MAX_PROBE_FORWARDS = 24
-INFO_PROBE_FORWARDS = 1
 # A gradient is at the noise floor when moving the parameter by its own size (by 1
 # for an all-zero one) would, to first order, change the loss by less than 16 ulps
 # of the loss: |g| * max(|theta|, 1) <= 16 * eps * |loss|, eps of the loss's dtype.

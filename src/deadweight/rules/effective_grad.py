@@ -190,7 +190,8 @@ def scale_invariant(stats: GradFlowStats) -> Iterator[Finding]:
     eps = 1e-5), while a weak but real influence (a fresh GPT-2 projection moves
     the loss by 7.6e-6 when merely doubled) shows far more at x100. Candidates are
     probed in groups, each member by a different factor, so joint-only cancellations
-    do not pass.
+    do not pass. Would-be warnings come first; info candidates get one probe, and
+    only when there is no would-be warning to confirm.
 
     A scalar or a parameter whose whole gradient is noise cannot learn at all
     (warning): the incident's layer scalar feeding straight into the final RMSNorm.
@@ -232,10 +233,11 @@ def shift_invariant(stats: GradFlowStats) -> Iterator[Finding]:
     with the parameter shifted, on the same batch and RNG state (invariant: the loss
     moved by at most 0.1%).
 
-    A parameter whose whole gradient is noise cannot learn at all (warning): a bias
-    right before BatchNorm, which subtracts it again. One whose mean is free while
-    the rest learns, such as a bias feeding a residual stream that every later
-    LayerNorm re-centres, is expected (info).
+    Probed are the parameters that could not learn at all if invariant: a single
+    number, or one whose whole gradient is at the noise floor, such as a bias right
+    before BatchNorm, which subtracts it again (warning). A bias whose mean alone is
+    free while the rest learns (feeding a LayerNorm) is how such models work and is
+    not probed, so as not to spend forwards on it.
 
     ## Why is this bad
     The free part of the parameter moves on noise under adaptive optimizers; when
