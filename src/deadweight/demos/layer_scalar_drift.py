@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deadweight.demos import fused_rmsnorm
 from deadweight.report import Report
 
 IN, WIDTH, OUT = 16, 64, 8
@@ -31,14 +32,11 @@ WEIGHT_DECAY = 0.1
 NOISE = 0.5
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+class RMSNorm(fused_rmsnorm.RMSNorm):
+    """The first demo's RMSNorm, always on its differentiable path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return self.forward_diff(x)
 
 
 class Block(nn.Module):
@@ -72,10 +70,18 @@ class ScalarStack(nn.Module):
         return self.head(self.final_norm(h))
 
 
-def shape_rule_groups(model: nn.Module, weight_decay: float = WEIGHT_DECAY) -> list[dict]:
-    """The incident's heuristic (Megatron): `len(param.shape) == 1` -> no weight decay."""
-    decay = [p for p in model.parameters() if len(p.shape) != 1]
-    no_decay = [p for p in model.parameters() if len(p.shape) == 1]
+def shape_rule_groups(
+    model: nn.Module,
+    weight_decay: float = WEIGHT_DECAY,
+    *,
+    decay_anyway: nn.Parameter | None = None,
+) -> list[dict]:
+    """The incident's heuristic (Megatron): `len(param.shape) == 1` -> no weight decay.
+
+    `decay_anyway` is put into the decay group regardless (the incident's attempt 2).
+    """
+    decay = [p for p in model.parameters() if len(p.shape) != 1 or p is decay_anyway]
+    no_decay = [p for p in model.parameters() if len(p.shape) == 1 and p is not decay_anyway]
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -167,12 +173,7 @@ FORCED_DECAY = 1.0  # the forced-decay run uses wd = 1 so it settles within ~200
 def forced_decay_groups(model: nn.Module, weight_decay: float = FORCED_DECAY) -> list[dict]:
     """The incident's attempt 2: put the last scalar into a weight-decay group."""
     last = cast(Block, cast(ScalarStack, model).blocks[-1]).layer_scalar
-    decay = [p for p in model.parameters() if len(p.shape) != 1 or p is last]
-    no_decay = [p for p in model.parameters() if len(p.shape) == 1 and p is not last]
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    return shape_rule_groups(model, weight_decay, decay_anyway=last)
 
 
 @dataclass
