@@ -61,7 +61,7 @@ def dw(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         cwd=cwd,
-        timeout=120,
+        timeout=600,  # generous: the demo trains models, and CI machines are shared
     )
 
 
