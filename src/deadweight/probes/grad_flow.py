@@ -263,7 +263,7 @@ def measure_grad_flow(
                     strict=True,
                 )
             )
-            probes, probe_note = _probe_invariance(
+            probes, probe_note = invariance.probe(
                 with_grad,
                 stats_by_name,
                 value,
@@ -314,85 +314,6 @@ def measure_grad_flow(
         backward_error=backward_error,
         grads=grads,
     )
-
-
-def _probe_invariance(
-    with_grad: list[tuple[str, nn.Parameter]],
-    stats: dict[str, GradStats],
-    loss_value: float,
-    loss_eps: float,
-    loss_fn: LossFn,
-    guard: Any,
-    runnable: bool,
-) -> tuple[dict[tuple[str, str], ProbeResult], str | None]:
-    """Screen every parameter with a nonzero gradient; confirm candidates functionally.
-
-    An exactly-zero gradient is left out: it is what zero-initialised designs (a LoRA
-    B matrix, a zero-init output projection) give the layers around them at step 0,
-    and Adam does not move a parameter on exact zeros.
-    """
-    # Would-be warnings (a single number, or a gradient that is noise everywhere: it
-    # could not learn at all) are what the probes are for: small groups, bisected,
-    # within the budget. Candidates that could only ever be info are probed only when
-    # there are no would-be warnings, and only for scale (a free norm, as in QK-norm):
-    # one group, one look. Every probe is a forward, so this keeps a typical check
-    # to two extra forwards.
-    careful: list[tuple[str, torch.Tensor, str, float, float]] = []
-    cheap: list[tuple[str, torch.Tensor, str, float, float]] = []
-    for name, p in with_grad:
-        s = stats[name]
-        if s.exact_zero:
-            continue
-        would_warn = p.numel() == 1 or s.at_noise_floor(loss_value, loss_eps)
-        if s.param_norm > 0 and s.scale_score(loss_value) < invariance.SCREEN:
-            (careful if would_warn else cheap).append(
-                (name, p, "scale", s.scale_score(loss_value), 0.0)
-            )
-        # A single number is covered by the scale probe unless it is 0.
-        shift_ok = p.numel() > 1 or s.param_norm == 0
-        if would_warn and shift_ok and s.shift_score(loss_value) < invariance.SCREEN:
-            careful.append((name, p, "shift", s.shift_score(loss_value), s.shift_step()))
-    if not careful and not cheap:
-        return {}, None
-    if not runnable:
-        return {}, "functional probes skipped: the loss is not finite or backward failed"
-
-    def rerun() -> float | None:
-        guard.reset_rng()
-        try:
-            with torch.no_grad():
-                out = loss_fn()
-        except Exception:
-            return None
-        if not isinstance(out, torch.Tensor) or out.numel() != 1:
-            return None
-        return float(out.detach().float().item())
-
-    results: dict[tuple[str, str], ProbeResult] = {}
-    if careful:
-        for kind in ("scale", "shift"):  # each kind its own half of the budget
-            mine = [c for c in careful if c[2] == kind]
-            if mine:
-                budget = [invariance.MAX_PROBE_FORWARDS // 2]
-                results.update(invariance.confirm(mine, rerun, loss_value, loss_eps, budget=budget))
-        if not all(r.invariant for r in results.values()):
-            # Something moved the loss: make sure it was the parameter, not a loss_fn
-            # that draws a new batch on every call (loosely: no_grad may pick other
-            # kernels than the checked run did).
-            fresh = rerun()
-            if fresh is None or abs(fresh - loss_value) > 1e-4 * max(abs(loss_value), 1e-12):
-                return {}, (
-                    "functional probes skipped: re-running loss_fn gave a different loss "
-                    f"({fresh} vs {loss_value}); make it use one fixed batch"
-                )
-    elif cheap:
-        share = [2]  # one scale probe: at 10x and at 100x
-        results.update(
-            invariance.confirm(
-                cheap, rerun, loss_value, loss_eps, max_group=len(cheap), budget=share
-            )
-        )
-    return results, None
 
 
 def _backward(

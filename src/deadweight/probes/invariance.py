@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -221,6 +222,83 @@ def confirm(
         for start in range(0, len(members), max_group):
             settle(members[start : start + max_group])
     return results
+
+
+def probe(
+    with_grad: Sequence[tuple[str, torch.Tensor]],
+    stats: dict[str, GradStats],
+    loss_value: float,
+    loss_eps: float,
+    loss_fn: Callable[[], Any],
+    guard: Any,
+    runnable: bool,
+) -> tuple[dict[tuple[str, str], ProbeResult], str | None]:
+    """Screen every parameter with a nonzero gradient; confirm candidates functionally.
+
+    An exactly-zero gradient is left out: it is what zero-initialised designs (a LoRA
+    B matrix, a zero-init output projection) give the layers around them at step 0,
+    and Adam does not move a parameter on exact zeros.
+    """
+    # Would-be warnings (a single number, or a gradient that is noise everywhere: it
+    # could not learn at all) are what the probes are for: small groups, bisected,
+    # within the budget. Candidates that could only ever be info are probed only when
+    # there are no would-be warnings, and only for scale (a free norm, as in QK-norm):
+    # one group, one look. Every probe is a forward, so this keeps a typical check
+    # to two extra forwards.
+    careful: list[tuple[str, torch.Tensor, str, float, float]] = []
+    cheap: list[tuple[str, torch.Tensor, str, float, float]] = []
+    for name, p in with_grad:
+        s = stats[name]
+        if s.exact_zero:
+            continue
+        would_warn = p.numel() == 1 or s.at_noise_floor(loss_value, loss_eps)
+        if s.param_norm > 0 and s.scale_score(loss_value) < SCREEN:
+            (careful if would_warn else cheap).append(
+                (name, p, "scale", s.scale_score(loss_value), 0.0)
+            )
+        # A single number is covered by the scale probe unless it is 0.
+        shift_ok = p.numel() > 1 or s.param_norm == 0
+        if would_warn and shift_ok and s.shift_score(loss_value) < SCREEN:
+            careful.append((name, p, "shift", s.shift_score(loss_value), s.shift_step()))
+    if not careful and not cheap:
+        return {}, None
+    if not runnable:
+        return {}, "functional probes skipped: the loss is not finite or backward failed"
+
+    def rerun() -> float | None:
+        guard.reset_rng()
+        try:
+            with torch.no_grad():
+                out = loss_fn()
+        except Exception:
+            return None
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            return None
+        return float(out.detach().float().item())
+
+    results: dict[tuple[str, str], ProbeResult] = {}
+    if careful:
+        for kind in ("scale", "shift"):  # each kind its own half of the budget
+            mine = [c for c in careful if c[2] == kind]
+            if mine:
+                budget = [MAX_PROBE_FORWARDS // 2]
+                results.update(confirm(mine, rerun, loss_value, loss_eps, budget=budget))
+        if not all(r.invariant for r in results.values()):
+            # Something moved the loss: make sure it was the parameter, not a loss_fn
+            # that draws a new batch on every call (loosely: no_grad may pick other
+            # kernels than the checked run did).
+            fresh = rerun()
+            if fresh is None or abs(fresh - loss_value) > 1e-4 * max(abs(loss_value), 1e-12):
+                return {}, (
+                    "functional probes skipped: re-running loss_fn gave a different loss "
+                    f"({fresh} vs {loss_value}); make it use one fixed batch"
+                )
+    elif cheap:
+        share = [2]  # one scale probe: at 10x and at 100x
+        results.update(
+            confirm(cheap, rerun, loss_value, loss_eps, max_group=len(cheap), budget=share)
+        )
+    return results, None
 
 
 def _widest_gap(group: list[_Candidate]) -> int:

@@ -230,7 +230,7 @@ class OpTracer(TorchFunctionMode):
         for root in call.inner_roots:
             if isinstance(root, Tensor):
                 self.leaves_inside_functions[id(root)] = root
-        outputs = list(_tensors_in(out))
+        outputs = list(tensors_in(out))
         name = f"{cls.__module__}.{cls.__qualname__}"
         for o in outputs:
             if o.grad_fn is not None and o.grad_fn not in self.node_origins:
@@ -342,10 +342,10 @@ def _grad_roots(args: tuple, kwargs: dict) -> list[Any]:
 
 
 def _any_requires_grad(out: Any) -> bool:
-    return any(t.requires_grad for t in _tensors_in(out))
+    return any(t.requires_grad for t in tensors_in(out))
 
 
-def _tensors_in(obj: Any, depth: int = 3) -> Iterator[Tensor]:
+def tensors_in(obj: Any, depth: int = 3) -> Iterator[Tensor]:
     """Tensors inside an output: plain, in tuples/lists/dicts, or fields of a dataclass."""
     if isinstance(obj, Tensor):
         yield obj
@@ -353,16 +353,13 @@ def _tensors_in(obj: Any, depth: int = 3) -> Iterator[Tensor]:
         return
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _tensors_in(v, depth - 1)
+            yield from tensors_in(v, depth - 1)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors_in(v, depth - 1)
+            yield from tensors_in(v, depth - 1)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from _tensors_in(getattr(obj, f.name, None), depth - 1)
-
-
-tensors_in = _tensors_in
+            yield from tensors_in(getattr(obj, f.name, None), depth - 1)
 
 
 def _op_name(func: Any) -> str:
