@@ -16,6 +16,7 @@ from torch import nn
 
 import deadweight
 from tests.conftest import reference_no_grad
+from tests.tiny_transformers import bert_config, gpt2_config
 
 LossOf = Callable[[nn.Module], torch.Tensor]
 Case = tuple[nn.Module, LossOf]
@@ -111,18 +112,9 @@ def _tokens(vocab: int = 100, batch: int = 2, length: int = 10) -> torch.Tensor:
 
 
 def gpt2() -> Case:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    config = GPT2Config(
-        vocab_size=100,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_inner=64,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = gpt2_config()
     model = GPT2LMHeadModel(config)
     ids = _tokens()
     return model, lambda m: m(input_ids=ids, labels=ids).loss
@@ -151,18 +143,9 @@ def llama() -> Case:
 
 
 def bert() -> Case:
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
-    config = BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        num_labels=3,
-        pad_token_id=0,
-    )
+    config = bert_config()
     model = BertForSequenceClassification(config)
     ids = _tokens()
     mask = torch.ones_like(ids)

@@ -19,6 +19,7 @@ from torch import nn
 import deadweight
 from deadweight import Severity
 from tests.conftest import reference_no_grad
+from tests.tiny_transformers import gpt2_config
 
 X = torch.randn(6, 8)
 Y = torch.randint(0, 3, (6,))
@@ -427,18 +428,9 @@ def test_nested_output_structures(depth: int) -> None:
 
 
 def _double_heads() -> nn.Module:
-    from transformers import GPT2Config, GPT2DoubleHeadsModel
+    from transformers import GPT2DoubleHeadsModel
 
-    config = GPT2Config(
-        vocab_size=100,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_inner=64,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = gpt2_config()
     return GPT2DoubleHeadsModel(config).train()
 
 

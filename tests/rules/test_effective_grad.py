@@ -20,6 +20,7 @@ from deadweight import Severity
 from deadweight.demos import layer_scalar_drift as d
 from deadweight.probes import invariance
 from deadweight.probes.grad_flow import measure_grad_flow
+from tests.tiny_transformers import bert_config
 
 LAST = f"blocks.{d.LAYERS - 1}.layer_scalar"
 SCALARS = {f"blocks.{i}.layer_scalar" for i in range(d.LAYERS)}
@@ -508,16 +509,7 @@ def test_group_probes_confirm_every_bias_before_batchnorm():
 
 def test_small_but_real_attention_gradients_are_not_called_noise():
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        num_labels=3,
-        pad_token_id=0,
-    )
+    config = bert_config()
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(config).eval()  # no dropout
     ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(0))

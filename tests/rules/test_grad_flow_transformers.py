@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import deadweight
+from tests.tiny_transformers import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,19 +20,6 @@ def _quiet(report: deadweight.Report) -> bool:
         f.code in ("DW103", "DW104", "DW105") and f.severity is deadweight.Severity.INFO
         for f in report.findings
     )
-
-
-def tiny_llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config).train()
 
 
 def enable_checkpointing(model: torch.nn.Module, reentrant: bool) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 import deadweight
 from deadweight import Severity
 from deadweight.demos import layer_scalar_drift as d
+from tests.tiny_transformers import gpt2_config, tiny_llama
 
 LAST = f"blocks.{d.LAYERS - 1}.layer_scalar"
 X = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
@@ -358,30 +359,7 @@ IDS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
 
 def tiny_gpt2() -> nn.Module:
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=100,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config).train()
-
-
-def tiny_llama() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config).train()
+    return transformers.GPT2LMHeadModel(gpt2_config(n_head=4, n_inner=None)).train()
 
 
 def check_lm(model: nn.Module, optimizer: torch.optim.Optimizer) -> deadweight.Report:
