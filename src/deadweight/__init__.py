@@ -7,6 +7,10 @@ Public API::
 
     groups = deadweight.param_groups(model, weight_decay=0.1)   # decay by meaning
     handle = deadweight.pin(model, "blocks.31.layer_scalar")   # keep one fixed
+
+    with deadweight.watch(model, optimizer, log="run.jsonl") as w:  # during training
+        train()
+    print(w.report())
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from deadweight.fixes.param_groups import param_groups
 from deadweight.fixes.pin import PinHandle, pin
 from deadweight.registry import Rule, all_rules, get_rule
 from deadweight.report import SCHEMA_VERSION, Report
+from deadweight.watcher import Watch, watch
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -31,10 +36,12 @@ __all__ = [
     "Report",
     "Rule",
     "Severity",
+    "Watch",
     "__version__",
     "all_rules",
     "check",
     "get_rule",
     "param_groups",
     "pin",
+    "watch",
 ]

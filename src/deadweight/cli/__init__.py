@@ -11,10 +11,12 @@ from collections.abc import Sequence
 from deadweight._version import __version__
 from deadweight.cli import check as check_cmd
 from deadweight.cli import demo as demo_cmd
+from deadweight.cli import report as report_cmd
 from deadweight.cli import rules as rules_cmd
+from deadweight.cli import run as run_cmd
 from deadweight.errors import DeadweightError
 
-SUBCOMMANDS = (demo_cmd, check_cmd, rules_cmd)
+SUBCOMMANDS = (demo_cmd, check_cmd, run_cmd, report_cmd, rules_cmd)
 
 
 class ExitCode(enum.IntEnum):

@@ -39,10 +39,20 @@ def _header(report: Report) -> Text:
     parts = [f"deadweight {report.kind}"]
     if "model" in subject:
         parts.append(f"{subject['model']}")
+    if "steps" in subject:
+        parts.append(f"{subject['steps']} steps")
+    if subject.get("optimizers"):
+        parts.append("optimizers " + ", ".join(subject["optimizers"]))
     if "parameters" in subject:
+        trainable = subject.get("trainable")
         parts.append(
-            f"{subject['parameters']} parameters ({subject.get('trainable', '?')} trainable)"
+            f"{subject['parameters']} parameters"
+            + (f" ({trainable} trainable)" if trainable is not None else "")
         )
+    if subject.get("complete") is False:
+        parts.append("log ends without an end record (the run was killed or is still going)")
+    elif subject.get("end") and subject["end"] not in ("closed", "exited"):
+        parts.append(f"run {subject['end']}")
     if subject.get("loss") is not None:
         parts.append(f"loss {subject['loss']:.6g}")
     if subject.get("optimizer"):
@@ -102,12 +112,18 @@ def _short(value: object, depth: int = 0) -> str:
 
 def _footer(report: Report) -> Text:
     counts = report.counts()
+    notes = [
+        f"deadweight disabled its {e.get('detector')} detector at step {e.get('step')}: "
+        f"{e.get('message')}"
+        for e in report.subject.get("detector_errors") or []
+    ]
+    prefix = "".join(n + "\n" for n in notes)
     if not report.findings:
-        return Text("no findings", style="green")
+        return Text(prefix + "no findings", style="green")
     parts = [
         f"{n} {sev}{'s' if n != 1 and sev != 'info' else ''}" for sev, n in counts.items() if n
     ]
-    return Text(", ".join(reversed(parts)), style="bold red" if not report.ok else "bold")
+    return Text(prefix + ", ".join(reversed(parts)), style="bold red" if not report.ok else "bold")
 
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)")

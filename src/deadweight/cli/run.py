@@ -1,0 +1,110 @@
+"""`deadweight run -- python train.py ARGS`: watch an unmodified training script.
+
+The command runs in a child process whose interpreter starts deadweight's global
+optimizer hooks before the script's first line (see `deadweight.zero_code`). When
+it ends, however it ends (exit, exception, Ctrl-C, kill), the report is rebuilt
+from the event log and printed, and the script's own exit code is returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+import deadweight
+from deadweight.cli._common import add_report_options, emit
+from deadweight.cli.report import report_from_log
+from deadweight.errors import InputError
+from deadweight.zero_code import ENV_EVERY, ENV_FULL, ENV_LOG
+
+HELP = "run a training script with every optimizer it creates watched"
+# A Ctrl-C at the terminal reaches the script itself; one sent to deadweight alone is
+# passed on after this many seconds if the script is still running.
+FORWARD_SIGINT_AFTER = 1.0
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "run",
+        help=HELP,
+        description=HELP + ". Everything after `--` is the command, e.g. "
+        "`deadweight run -- python train.py --lr 3e-4`.",
+    )
+    parser.add_argument("--every", type=int, default=20, help="fuller statistics every N steps")
+    parser.add_argument(
+        "--log", default="deadweight-run.jsonl", help="event log (default: deadweight-run.jsonl)"
+    )
+    parser.add_argument(
+        "--full", action="store_true", help="exact update norms of every parameter (copies them)"
+    )
+    add_report_options(parser)
+    parser.set_defaults(run=run, fail_on="never")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command after --")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise InputError("no command given: deadweight run [OPTIONS] -- python train.py ARGS")
+    if args.every < 1:
+        raise InputError(f"--every must be at least 1, got {args.every}")
+    log = os.path.abspath(args.log)
+    if os.path.exists(log):
+        os.remove(log)  # a stale log from an earlier run must not be reported as this one
+    env = dict(os.environ)
+    bootstrap = os.path.join(os.path.dirname(deadweight.__file__), "_bootstrap")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap, env.get("PYTHONPATH")) if p)
+    env[ENV_LOG] = log
+    env[ENV_EVERY] = str(args.every)
+    env[ENV_FULL] = "1" if args.full else "0"
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        raise InputError(f"cannot run {command[0]!r}: {exc}") from None
+    code = _wait(child)
+    print(file=sys.stderr)
+    if not os.path.exists(log):
+        print(
+            "deadweight: the command stepped no optimizer, so there is nothing to report",
+            file=sys.stderr,
+        )
+        return code
+    report = report_from_log(log, args.select, args.ignore)
+    failed = emit(report, args)
+    print(f"deadweight: event log {log}", file=sys.stderr)
+    return code if code != 0 else failed
+
+
+def _wait(child: subprocess.Popen[bytes]) -> int:
+    interrupted_at: list[float] = []
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        interrupted_at.append(time.monotonic())
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    forwarded = False
+    try:
+        while True:
+            try:
+                code = child.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if (
+                    interrupted_at
+                    and not forwarded
+                    and time.monotonic() - interrupted_at[0] > FORWARD_SIGINT_AFTER
+                ):
+                    child.send_signal(signal.SIGINT)
+                    forwarded = True
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    # Like a shell: a script killed by signal N exits with 128 + N.
+    return 128 - code if code < 0 else code

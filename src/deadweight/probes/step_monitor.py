@@ -1,0 +1,660 @@
+"""Measure what one optimizer does to its parameters, step by step, without a sync per step.
+
+`StepMonitor` is driven by optimizer step hooks (`before_step` / `after_step`) and
+emits plain event dicts (see `event_log` for the schema). It never writes to a
+parameter, a gradient or the optimizer's state, and it draws no random numbers, so
+training with it is bitwise identical to training without it.
+
+Two cadences:
+
+* every step, cheap: which gradients are missing (Python), one fused
+  `torch._foreach_norm` over the present gradients whose squares and non-finite
+  flags accumulate *on the device*, the learning rate of each group, optimizer-state
+  resets (Python dict lookups), and exact update statistics of the small parameters
+  (layer scalars, norm gains, biases: one `cat` before and after the step);
+* every `every` steps (a "watched" step): parameter norms, update norms of a
+  rotating slice of the large parameters (a copy of at most `copy_fraction` of the
+  parameter bytes, or all of them with `full=True`), bitwise-unchanged checks, and
+  one host transfer of everything accumulated since the last watched step.
+
+Each detector runs under a guard: an exception disables that detector, is reported
+as an `error` event, and never reaches the training loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+Emit = Callable[[dict[str, Any]], None]
+
+# Parameters with more elements than this are "large": they get norms, not exact
+# update statistics. Layer scalars, norm gains and biases of models up to ~4k width fit.
+SMALL_DEFAULT = 4096
+# Values of parameters up to this many elements are logged at every watched step
+# (layer scalars' trajectories; the incident's table of 32 values).
+VALUES_MAX = 16
+# Steps whose per-step update sizes are kept on the device, to compare the updates
+# right after an optimizer-state reset with those right before it.
+RING = 64
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    every: int = 20  # a watched step every `every` optimizer steps
+    small: int = SMALL_DEFAULT
+    full: bool = False  # copy every large parameter on watched steps (exact update norms)
+    # Share of the parameter bytes copied per watched step when `full` is off: the
+    # large parameters are measured round-robin, so memory stays within ~10% of
+    # params + grads + optimizer state (params alone are about a quarter of that with Adam).
+    copy_fraction: float = 0.1
+    # Steps measured after an optimizer-state reset. Adam's second moment forgets
+    # with time constant 1/(1 - beta2) = 20 steps at the incident's beta2 = 0.95.
+    burst: int = 20
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"every must be >= 1, got {self.every}")
+        if not 0 < self.copy_fraction <= 1:
+            raise ValueError(f"copy_fraction must be in (0, 1], got {self.copy_fraction}")
+        if self.burst < 1 or self.burst > RING // 2:
+            raise ValueError(f"burst must be in [1, {RING // 2}], got {self.burst}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Parameters that had optimizer state under any monitored optimizer: a new optimizer
+# over them (zero-code mode sees every optimizer a script creates) starts their
+# moments from zero again, which is a reset.
+# (Keyed by identity: a tensor's == is elementwise, so a plain WeakKeyDictionary breaks.)
+_HAD_STATE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """An int64 sum of the raw bits: any single-bit change of one element changes it."""
+    view = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return torch.sum(t.detach().reshape(-1).view(view), dtype=torch.int64)
+
+
+def _host_float(value: Any) -> float | None:
+    """A learning rate or step counter as a float, without a device sync."""
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.device.type == "cpu" else None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def _predicted_reset_amplification(group: dict[str, Any]) -> float | None:
+    # Right after a reset v ~ (1 - b2) g^2 instead of ~ g^2: noise-driven steps grow by
+    # sqrt(1 / (1 - b2)) (the incident's sqrt(20) = 4.47 for b2 = 0.95).
+    betas = group.get("betas")
+    if betas is not None:
+        b2 = _host_float(betas[1])
+        return math.sqrt(1 / (1 - b2)) if b2 is not None and b2 < 1 else None
+    alpha = group.get("alpha")  # RMSprop's smoothing constant plays b2's part
+    if alpha is not None and "eps" in group:
+        a = _host_float(alpha)
+        return math.sqrt(1 / (1 - a)) if a is not None and a < 1 else None
+    return None
+
+
+class _Bucket:
+    """The device-side state for the monitored parameters that live on one device."""
+
+    def __init__(
+        self, device: torch.device, positions: list[int], params: list[torch.Tensor], small: int
+    ) -> None:
+        self.device = device
+        self.positions = positions  # indices into the monitor's parameter list
+        self.params = params
+        n = len(params)
+        f64: dict[str, Any] = {"device": device, "dtype": torch.float64}
+        self.gsq = torch.zeros(n, **f64)  # sum of squared grad norms since the last record
+        self.bad_grad = torch.full((n,), -1, device=device, dtype=torch.int64)
+        self.index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        with torch.no_grad():
+            self.pnorm0 = torch.stack(torch._foreach_norm([p.detach() for p in params])).double()
+            self.fp0 = torch.stack([_fingerprint(p) for p in params])
+        self.moved = [False] * n  # sticky: once seen changed, never again "unchanged"
+
+        self.small = [i for i, p in enumerate(params) if p.numel() <= small]
+        self.large = [i for i, p in enumerate(params) if p.numel() > small]
+        ns = len(self.small)
+        sizes = [params[i].numel() for i in self.small]
+        self.seg = (
+            torch.repeat_interleave(
+                torch.arange(ns, device=device),
+                torch.tensor(sizes, device=device, dtype=torch.long),
+            )
+            if ns
+            else torch.zeros(0, dtype=torch.long, device=device)
+        )
+        self.theta0 = self._cat_small()
+        self.path = torch.zeros(ns, **f64)  # sum over steps of ||update||
+        self.rpos = torch.zeros(ns, **f64)  # steps whose update points away from 0 (radially)
+        self.rneg = torch.zeros(ns, **f64)
+        self.sens = torch.zeros(ns, **f64)  # sum over steps of |<grad, theta>|
+        self.gsum = torch.zeros(ns, **f64)  # sum over steps of ||grad||
+        self.zero_upd = torch.zeros(ns, **f64)  # steps with a non-zero grad and no change
+        self.ring = torch.zeros(RING, ns, **f64)  # ||update|| of the last RING steps
+        self.pre_small: torch.Tensor | None = None
+        self.gn_small: torch.Tensor | None = None
+        self.copies: dict[int, torch.Tensor] = {}
+
+    def _cat_small(self) -> torch.Tensor:
+        if not self.small:
+            return torch.zeros(0, dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            return torch.cat([self.params[i].detach().reshape(-1) for i in self.small]).double()
+
+    def _segsum(self, values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(len(self.small), dtype=torch.float64, device=self.device)
+        return out.index_add_(0, self.seg, values)
+
+    def _index(self, key: tuple[int, ...]) -> torch.Tensor:
+        cached = self.index_cache.get(key)
+        if cached is None:
+            if len(self.index_cache) > 64:  # presence patterns churn (MoE): keep it bounded
+                self.index_cache.clear()
+            cached = self.index_cache[key] = torch.tensor(key, dtype=torch.long, device=self.device)
+        return cached
+
+    # -- every step -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def grads_before(self, step: int, present: list[int]) -> None:
+        if not present:
+            return
+        grads = [self.params[i].grad for i in present]
+        norms = torch.stack(torch._foreach_norm(grads)).double()  # type: ignore[arg-type]
+        index = self._index(tuple(present))
+        self.gsq.index_add_(0, index, norms * norms)
+        seen = self.bad_grad.index_select(0, index)
+        first = torch.where(~torch.isfinite(norms) & (seen < 0), step, seen)
+        self.bad_grad.index_copy_(0, index, first)
+
+    @torch.no_grad()
+    def small_before(self) -> None:
+        if not self.small:
+            return
+        pre = self._cat_small()
+        grads = []
+        for i in self.small:
+            g = self.params[i].grad
+            grads.append(
+                g.reshape(-1)
+                if g is not None
+                else torch.zeros(self.params[i].numel(), device=self.device)
+            )
+        gcat = torch.cat(grads).double()
+        self.sens += self._segsum(gcat * pre).abs()
+        self.gn_small = self._segsum(gcat * gcat).sqrt()
+        self.gsum += self.gn_small
+        self.pre_small = pre
+
+    @torch.no_grad()
+    def small_after(self, step: int) -> None:
+        if not self.small or self.pre_small is None:
+            return
+        post = self._cat_small()
+        update = post - self.pre_small
+        un = self._segsum(update * update).sqrt()
+        radial = self._segsum(update * self.pre_small)
+        self.path += un
+        self.rpos += radial > 0
+        self.rneg += radial < 0
+        self.ring[step % RING] = un
+        if self.gn_small is not None:
+            self.zero_upd += (un == 0) & (self.gn_small > 0)
+        self.pre_small = None
+
+    # -- watched steps ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def copy_before(self, chosen: list[int]) -> None:
+        self.copies = {i: self.params[i].detach().clone() for i in chosen}
+
+    @torch.no_grad()
+    def measure_after(self) -> dict[str, Any]:
+        """Everything for one record, in one host transfer (two when a large parameter's
+        norm is bitwise unchanged and its fingerprint must decide)."""
+        params = [p.detach() for p in self.params]
+        pnorm = torch.stack(torch._foreach_norm(params)).double()
+        copied = sorted(self.copies)
+        if copied:
+            deltas = torch._foreach_sub(
+                [params[i] for i in copied], [self.copies[i] for i in copied]
+            )
+            unorm = torch.stack(torch._foreach_norm(deltas)).double()
+        else:
+            unorm = torch.zeros(0, dtype=torch.float64, device=self.device)
+        self.copies = {}
+        if self.small:
+            post = self._cat_small()
+            drift = self._segsum((post - self.theta0) ** 2).sqrt()
+            smalls = [self.path, self.rpos, self.rneg, self.sens, self.gsum, self.zero_upd, drift]
+            values = torch.cat(
+                [
+                    params[i].reshape(-1).double()
+                    for i in self.small
+                    if params[i].numel() <= VALUES_MAX
+                ]
+                or [torch.zeros(0, dtype=torch.float64, device=self.device)]
+            )
+        else:
+            smalls, values = [], torch.zeros(0, dtype=torch.float64, device=self.device)
+        packed = torch.cat(
+            [
+                self.gsq,
+                self.bad_grad.double(),
+                pnorm,
+                (pnorm == self.pnorm0).double(),
+                unorm,
+                *smalls,
+                values,
+            ]
+        )
+        flat = packed.tolist()  # the one CPU-GPU sync of this step
+        self.gsq.zero_()
+        n, ns = len(self.params), len(self.small)
+        out: dict[str, Any] = {}
+        cursor = 0
+
+        def take(k: int) -> list[float]:
+            nonlocal cursor
+            part = flat[cursor : cursor + k]
+            cursor += k
+            return part
+
+        out["gsq"] = take(n)
+        out["bad_grad"] = [int(v) for v in take(n)]
+        out["pnorm"] = take(n)
+        same_norm = take(n)
+        out["unorm"] = dict(zip(copied, take(len(copied)), strict=True))
+        for key in ("path", "rpos", "rneg", "sens", "gsum", "zero_upd", "drift"):
+            out[key] = take(ns) if ns else []
+        out["values"] = take(len(flat) - cursor)
+        # Bitwise-unchanged since the start: exact for small parameters (their start
+        # values are kept); for large ones an unchanged norm is necessary, and the
+        # fingerprint of the raw bits decides.
+        small_pos = {i: k for k, i in enumerate(self.small)}
+        candidates = []
+        for i in range(n):
+            if self.moved[i]:
+                continue
+            if i in small_pos:
+                self.moved[i] = out["drift"][small_pos[i]] != 0
+            elif not same_norm[i]:
+                self.moved[i] = True
+            else:
+                candidates.append(i)
+        if candidates:
+            fps = torch.stack([_fingerprint(self.params[i]) for i in candidates])
+            changed = (fps != self.fp0[self._index(tuple(candidates))]).tolist()
+            for i, c in zip(candidates, changed, strict=True):
+                self.moved[i] = bool(c)
+        out["moved"] = list(self.moved)
+        return out
+
+    @torch.no_grad()
+    def ring_mean(self, steps: Sequence[int]) -> torch.Tensor:
+        rows = torch.tensor([s % RING for s in steps], dtype=torch.long, device=self.device)
+        return self.ring.index_select(0, rows).mean(0)
+
+
+class StepMonitor:
+    """Watches one optimizer. `before_step` / `after_step` are its step hooks' bodies."""
+
+    def __init__(
+        self,
+        index: int,
+        optimizer: torch.optim.Optimizer,
+        name_of: Callable[[torch.Tensor], str],
+        emit: Emit,
+        config: MonitorConfig,
+        passengers: Sequence[tuple[str, torch.Tensor]] = (),
+    ) -> None:
+        self.index = index
+        self.optimizer = optimizer
+        self.config = config
+        self.emit = emit
+        self.step = 0
+        self.calls_finished = 0  # after_step calls: a GradScaler skip leaves it unchanged
+        self.disabled: dict[str, str] = {}
+        params: list[torch.Tensor] = []
+        groups: list[int | None] = []
+        seen: set[int] = set()
+        for g_index, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in seen and p.requires_grad:
+                    seen.add(id(p))
+                    params.append(p)
+                    groups.append(g_index)
+        # Trainable parameters of the watched models that this optimizer (or any other
+        # watched one) does not hold: checked for movement only.
+        for _, p in passengers:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+                groups.append(None)
+        self.params = params
+        self.groups = groups
+        self.names = [name_of(p) for p in params]
+        self.stateful_positions = [i for i, g in enumerate(groups) if g is not None]
+        self.present_count = [0] * len(params)
+        self.present_window = [0] * len(params)
+        self.lr0_steps = [0] * len(params)
+        self.window = 0  # steps since the last record
+        self.lr_sum = [0.0] * len(optimizer.param_groups)
+        self.had_state = [bool(_HAD_STATE.get(p)) for p in params]
+        self.reported_bad: set[tuple[int, str]] = set()
+        self.pending_resets: list[dict[str, Any]] = []
+        self.burst_until = 0
+        self.rotation = 0
+        self.small_steps = 0
+        by_device: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(params):
+            by_device.setdefault(p.device, []).append(i)
+        self.buckets = [
+            _Bucket(device, pos, [params[i] for i in pos], config.small)
+            for device, pos in by_device.items()
+        ]
+        self._present: list[int] = []
+        self._watched = False
+        emit(self.describe())
+
+    # -- the event that introduces this optimizer ----------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        groups = []
+        for group in self.optimizer.param_groups:
+            groups.append(
+                {
+                    "lr": _host_float(group.get("lr")),
+                    "weight_decay": _host_float(group.get("weight_decay", 0.0)),
+                    "betas": [_host_float(b) for b in group["betas"]] if "betas" in group else None,
+                    "eps": _host_float(group.get("eps")),
+                    "predicted_reset_amplification": _predicted_reset_amplification(group),
+                }
+            )
+        small_order = [b.positions[i] for b in self.buckets for i in b.small]
+        return {
+            "event": "optimizer",
+            "optimizer": self.index,
+            "class": type(self.optimizer).__name__,
+            "groups": groups,
+            "params": [
+                {
+                    "name": name,
+                    "shape": list(p.shape),
+                    "dtype": str(p.dtype).removeprefix("torch."),
+                    "device": str(p.device),
+                    "group": group,
+                    "pinned": getattr(p, "_deadweight_pin", None) is not None,
+                }
+                for name, p, group in zip(self.names, self.params, self.groups, strict=True)
+            ],
+            "small": small_order,
+            "values": [i for i in small_order if self.params[i].numel() <= VALUES_MAX],
+        }
+
+    # -- guards --------------------------------------------------------------------------
+
+    def _guarded(self, detector: str, fn: Callable[..., Any], *args: Any) -> Any:
+        if detector in self.disabled:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:  # a deadweight bug must never stop training
+            reason = f"{type(exc).__name__}: {exc}"
+            self.disabled[detector] = reason
+            with contextlib.suppress(Exception):
+                self.emit(
+                    {
+                        "event": "error",
+                        "optimizer": self.index,
+                        "step": self.step,
+                        "detector": detector,
+                        "message": reason,
+                    }
+                )
+            return None
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    def before_step(self) -> None:
+        self.step += 1
+        self.window += 1
+        cfg = self.config
+        self._watched = (
+            self.step == 1 or self.step % cfg.every == 0 or self.step <= self.burst_until
+        )
+        self._guarded("gradients", self._gradients)
+        self._guarded("learning-rate", self._learning_rates)
+        self._guarded("resets", self._resets)
+        self._guarded("small-parameters", self._small_before)
+        if self._watched:
+            self._guarded("update-norms", self._copy_before)
+
+    def after_step(self) -> None:
+        self.calls_finished += 1
+        self._guarded("small-parameters", self._small_after)
+        self._guarded("resets", self._reset_effects)
+        if self._watched:
+            self._guarded("record", self._record)
+
+    def skipped_by_scaler(self) -> None:
+        """The GradScaler found inf/NaN gradients and did not call optimizer.step()."""
+        self._guarded("scaler", self._scaler_skip)
+
+    # -- detectors -----------------------------------------------------------------------
+
+    def _gradients(self) -> None:
+        present = [i for i, p in enumerate(self.params) if p.grad is not None]
+        self._present = present
+        for i in present:
+            self.present_count[i] += 1
+            self.present_window[i] += 1
+        for bucket in self.buckets:
+            local = {pos: k for k, pos in enumerate(bucket.positions)}
+            bucket.grads_before(self.step, [local[i] for i in present if i in local])
+
+    def _learning_rates(self) -> None:
+        zero_groups = set()
+        for g_index, group in enumerate(self.optimizer.param_groups):
+            lr = _host_float(group.get("lr"))
+            if lr is not None:
+                self.lr_sum[g_index] += lr
+                if lr == 0:
+                    zero_groups.add(g_index)
+        if zero_groups:
+            for i in self._present:
+                if self.groups[i] in zero_groups:
+                    self.lr0_steps[i] += 1
+
+    def _resets(self) -> None:
+        state = self.optimizer.state
+        fresh = []
+        for i in self.stateful_positions:
+            p = self.params[i]
+            has = bool(state.get(p))
+            if has:
+                if not self.had_state[i]:
+                    self.had_state[i] = True
+                    _HAD_STATE[p] = True
+            elif self.had_state[i] and p.grad is not None:
+                fresh.append(i)
+        if not fresh:
+            return
+        groups = sorted({g for i in fresh if (g := self.groups[i]) is not None})
+        predicted = [_predicted_reset_amplification(self.optimizer.param_groups[g]) for g in groups]
+        event = {
+            "event": "reset",
+            "optimizer": self.index,
+            "step": self.step,
+            "params": fresh,
+            "predicted_amplification": max((p for p in predicted if p is not None), default=None),
+        }
+        self.emit(event)
+        # Measure every step of the burst in full, and compare the update sizes of the
+        # small parameters right after the reset with those right before it.
+        self.burst_until = self.step + self.config.burst - 1
+        before = list(range(max(1, self.step - RING + 1), self.step))
+        self.pending_resets.append(
+            {
+                "step": self.step,
+                "before_steps": len(before),
+                "before": [
+                    b.ring_mean(before) if before and b.small else None for b in self.buckets
+                ],
+            }
+        )
+        self._watched = True
+
+    def _reset_effects(self) -> None:
+        done = [r for r in self.pending_resets if self.step >= r["step"] + self.config.burst - 1]
+        for reset in done:
+            self.pending_resets.remove(reset)
+            after = list(range(reset["step"], reset["step"] + self.config.burst))
+            small, before, first, mean_after = [], [], [], []
+            for bucket, b_before in zip(self.buckets, reset["before"], strict=True):
+                if not bucket.small:
+                    continue
+                rows = torch.stack(
+                    [
+                        b_before
+                        if b_before is not None
+                        else torch.full_like(bucket.path, math.nan),
+                        bucket.ring[reset["step"] % RING],
+                        bucket.ring_mean(after),
+                    ]
+                ).tolist()
+                small += [bucket.positions[i] for i in bucket.small]
+                before += rows[0]
+                first += rows[1]
+                mean_after += rows[2]
+            self.emit(
+                {
+                    "event": "reset_effect",
+                    "optimizer": self.index,
+                    "step": reset["step"],
+                    "before_steps": reset["before_steps"],
+                    "after_steps": len(after),
+                    "params": small,
+                    "before": before,
+                    "first": first,
+                    "after": mean_after,
+                }
+            )
+
+    def _small_before(self) -> None:
+        for bucket in self.buckets:
+            bucket.small_before()
+
+    def _small_after(self) -> None:
+        for bucket in self.buckets:
+            bucket.small_after(self.step)
+        self.small_steps += 1
+
+    def _copy_before(self) -> None:
+        total = sum(self.params[b.positions[i]].numel() for b in self.buckets for i in b.large)
+        budget = total if self.config.full else max(1, int(total * self.config.copy_fraction))
+        # Round-robin over the large parameters, at least one per watched step.
+        order = [(b, i) for b in self.buckets for i in b.large]
+        if not order:
+            return
+        chosen: dict[int, list[int]] = {}
+        used = taken = 0
+        for k in range(len(order)):
+            bucket, i = order[(self.rotation + k) % len(order)]
+            size = bucket.params[i].numel()
+            if used and used + size > budget:
+                break
+            chosen.setdefault(id(bucket), []).append(i)
+            used += size
+            taken = k + 1
+        self.rotation = (self.rotation + taken) % len(order)
+        for bucket in self.buckets:
+            bucket.copy_before(chosen.get(id(bucket), []))
+
+    def _scaler_skip(self) -> None:
+        self.emit(
+            {
+                "event": "skip",
+                "optimizer": self.index,
+                "step": self.step,
+                "cause": "GradScaler found inf/NaN gradients and skipped optimizer.step()",
+            }
+        )
+
+    def _record(self) -> None:
+        n = len(self.params)
+        grad_rms: list[float | None] = [None] * n
+        pnorm: list[float | None] = [None] * n
+        unorm: list[float | None] = [None] * n
+        moved: list[bool | None] = [None] * n
+        small_stats: dict[str, list[float]] = {
+            k: [] for k in ("path", "rpos", "rneg", "sens", "gsum", "zero_upd", "drift")
+        }
+        values: list[float] = []
+        window_present = self.present_window
+        for bucket in self.buckets:
+            m = bucket.measure_after()
+            for k, pos in enumerate(bucket.positions):
+                count = window_present[pos]
+                grad_rms[pos] = math.sqrt(m["gsq"][k] / count) if count else None
+                pnorm[pos] = m["pnorm"][k]
+                moved[pos] = m["moved"][k]
+                if m["bad_grad"][k] >= 0:
+                    self._nonfinite(pos, "grad", int(m["bad_grad"][k]))
+                if not math.isfinite(m["pnorm"][k]):
+                    self._nonfinite(pos, "value", self.step)
+            for k, u in m["unorm"].items():
+                unorm[bucket.positions[k]] = u
+            for key in small_stats:
+                small_stats[key] += m[key]
+            values += m["values"]
+        lrs = [_host_float(g.get("lr")) for g in self.optimizer.param_groups]
+        self.emit(
+            {
+                "event": "step",
+                "optimizer": self.index,
+                "step": self.step,
+                "window": self.window,
+                "lr": lrs,
+                "lr_sum": list(self.lr_sum),
+                "grad_present": list(self.present_count),
+                "lr0_steps": list(self.lr0_steps),
+                "grad_rms": grad_rms,
+                "param_norm": pnorm,
+                "update_norm": unorm,
+                "moved": moved,
+                "small_steps": self.small_steps,
+                **{f"small_{k}": v for k, v in small_stats.items()},
+                "values": values,
+            }
+        )
+        self.window = 0
+        self.present_window = [0] * len(self.params)
+
+    def _nonfinite(self, pos: int, what: str, step: int) -> None:
+        if (pos, what) in self.reported_bad:
+            return
+        self.reported_bad.add((pos, what))
+        self.emit(
+            {
+                "event": "nonfinite",
+                "optimizer": self.index,
+                "step": step,
+                "param": pos,
+                "what": what,
+            }
+        )

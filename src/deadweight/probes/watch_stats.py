@@ -1,0 +1,284 @@
+"""Aggregate watch events into `WatchStats`, the measurement the DW3xx rules judge.
+
+The live watcher and `deadweight report run.jsonl` feed the very same events through
+`WatchStats.apply`, so a report rebuilt from a log is the report the run would have
+printed at that point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Series:
+    """A parameter's trajectory at watched steps."""
+
+    steps: list[int] = field(default_factory=list)
+    param_norm: list[float | None] = field(default_factory=list)
+    grad_rms: list[float | None] = field(default_factory=list)
+    update_norm: list[float | None] = field(default_factory=list)
+    value: list[list[float]] = field(default_factory=list)  # only for tiny parameters
+
+
+@dataclass
+class SmallStats:
+    """Exact cumulative update statistics of a small parameter (every step)."""
+
+    steps: int = 0
+    path: float = 0.0  # sum of ||update||
+    radial_pos: float = 0.0  # steps moving away from 0
+    radial_neg: float = 0.0
+    sens: float = 0.0  # sum of |<grad, theta>|: how much the loss cares about its scale
+    grad_sum: float = 0.0  # sum of ||grad||
+    zero_updates: float = 0.0  # steps with a non-zero grad and no change at all
+    drift: float = 0.0  # ||theta - theta at the start||
+
+
+@dataclass
+class ParamTrack:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    optimizer: int
+    group: int | None  # None: trainable but in no watched optimizer
+    pinned: bool
+    small: bool
+    numel: int
+    steps: int = 0  # optimizer steps while watched
+    grad_present: int = 0  # of those, steps with a gradient
+    lr0_steps: int = 0  # steps with a gradient in a group whose lr was 0
+    lr_sum: float = 0.0  # sum of the group's lr over the steps
+    moved: bool | None = None  # bitwise changed since watching began
+    series: Series = field(default_factory=Series)
+    small_stats: SmallStats | None = None
+    nonfinite: dict[str, int] = field(default_factory=dict)  # "grad"/"value" -> first step
+    skipped: int = 0  # GradScaler skips of its optimizer
+    # Counts carried over from an earlier optimizer that held this parameter.
+    base: tuple[int, int, int, float] = (0, 0, 0, 0.0)
+
+    @property
+    def mean_lr(self) -> float | None:
+        return self.lr_sum / self.steps if self.steps else None
+
+
+@dataclass
+class OptimizerTrack:
+    index: int
+    cls: str
+    groups: list[dict[str, Any]]
+    params: list[str]  # names, in the order of the event arrays
+    small: list[int]
+    values: list[int]
+    steps: int = 0
+    scaler_skips: list[int] = field(default_factory=list)  # step counts at each skip
+
+
+@dataclass
+class ResetTrack:
+    optimizer: int
+    step: int
+    params: list[str]
+    predicted: float | None
+    # name -> (mean |update| before, first update, mean over the burst), small params only
+    effect: dict[str, tuple[float, float, float]] | None = None
+    before_steps: int = 0
+    after_steps: int = 0
+
+
+@dataclass
+class WatchStats:
+    config: dict[str, Any] = field(default_factory=dict)
+    start: dict[str, Any] = field(default_factory=dict)
+    optimizers: dict[int, OptimizerTrack] = field(default_factory=dict)
+    params: dict[str, ParamTrack] = field(default_factory=dict)
+    resets: list[ResetTrack] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    end: dict[str, Any] | None = None
+    problems: list[str] = field(default_factory=list)  # from reading a log
+
+    @property
+    def steps(self) -> int:
+        return max((o.steps for o in self.optimizers.values()), default=0)
+
+    @property
+    def complete(self) -> bool:
+        return self.end is not None
+
+    def apply(self, event: dict[str, Any]) -> None:
+        handler = getattr(self, f"_on_{event.get('event')}", None)
+        if handler is not None:
+            handler(event)
+
+    # -- handlers ------------------------------------------------------------------------
+
+    def _on_start(self, event: dict[str, Any]) -> None:
+        self.start = {k: v for k, v in event.items() if k != "config"}
+        self.config = dict(event.get("config") or {})
+
+    def _on_optimizer(self, event: dict[str, Any]) -> None:
+        index = int(event["optimizer"])
+        names = [p["name"] for p in event["params"]]
+        small = set(event.get("small", []))
+        self.optimizers[index] = OptimizerTrack(
+            index,
+            event.get("class", "?"),
+            event.get("groups", []),
+            names,
+            list(event.get("small", [])),
+            list(event.get("values", [])),
+        )
+        for pos, p in enumerate(event["params"]):
+            shape = tuple(p["shape"])
+            numel = 1
+            for d in shape:
+                numel *= d
+            previous = self.params.get(p["name"])
+            track = ParamTrack(
+                name=p["name"],
+                shape=shape,
+                dtype=p.get("dtype", "?"),
+                optimizer=index,
+                group=p.get("group"),
+                pinned=bool(p.get("pinned")),
+                small=pos in small,
+                numel=numel,
+            )
+            if previous is not None:  # a new optimizer took it over: keep its history
+                track.series = previous.series
+                track.steps, track.grad_present = previous.steps, previous.grad_present
+                track.lr0_steps, track.lr_sum = previous.lr0_steps, previous.lr_sum
+                track.moved, track.nonfinite = previous.moved, previous.nonfinite
+                track.skipped = previous.skipped
+                track.base = (
+                    previous.steps,
+                    previous.grad_present,
+                    previous.lr0_steps,
+                    previous.lr_sum,
+                )
+            self.params[p["name"]] = track
+
+    def _tracks(self, event: dict[str, Any]) -> tuple[OptimizerTrack, list[ParamTrack]] | None:
+        opt = self.optimizers.get(int(event.get("optimizer", -1)))
+        if opt is None:
+            self.problems.append(f"a {event.get('event')} event names an unknown optimizer")
+            return None
+        tracks = [self.params[n] for n in opt.params]
+        return opt, [t if t.optimizer == opt.index else _Detached() for t in tracks]
+
+    def _on_step(self, event: dict[str, Any]) -> None:
+        found = self._tracks(event)
+        if found is None:
+            return
+        opt, tracks = found
+        step = int(event["step"])
+        opt.steps = step
+        lr_sum = event.get("lr_sum") or []
+        for pos, track in enumerate(tracks):
+            base = track.base
+            track.steps = base[0] + step
+            track.grad_present = base[1] + event["grad_present"][pos]
+            track.lr0_steps = base[2] + event["lr0_steps"][pos]
+            if track.group is not None and track.group < len(lr_sum):
+                track.lr_sum = base[3] + (lr_sum[track.group] or 0.0)
+            moved = event["moved"][pos]
+            if moved is not None:
+                track.moved = bool(moved) or bool(track.moved)
+            s = track.series
+            s.steps.append(step)
+            s.param_norm.append(event["param_norm"][pos])
+            s.grad_rms.append(event["grad_rms"][pos])
+            s.update_norm.append(event["update_norm"][pos])
+        small_steps = int(event.get("small_steps", 0))
+        for k, pos in enumerate(opt.small):
+            track = tracks[pos]
+            track.small_stats = SmallStats(
+                steps=small_steps,
+                path=event["small_path"][k],
+                radial_pos=event["small_rpos"][k],
+                radial_neg=event["small_rneg"][k],
+                sens=event["small_sens"][k],
+                grad_sum=event["small_gsum"][k],
+                zero_updates=event["small_zero_upd"][k],
+                drift=event["small_drift"][k],
+            )
+        cursor = 0
+        values = event.get("values", [])
+        for pos in opt.values:
+            track = tracks[pos]
+            n = track.numel
+            track.series.value.append(values[cursor : cursor + n])
+            cursor += n
+
+    def _on_nonfinite(self, event: dict[str, Any]) -> None:
+        found = self._tracks(event)
+        if found is None:
+            return
+        track = found[1][int(event["param"])]
+        track.nonfinite.setdefault(event["what"], int(event["step"]))
+
+    def _on_reset(self, event: dict[str, Any]) -> None:
+        found = self._tracks(event)
+        if found is None:
+            return
+        opt, _ = found
+        self.resets.append(
+            ResetTrack(
+                optimizer=opt.index,
+                step=int(event["step"]),
+                params=[opt.params[i] for i in event["params"]],
+                predicted=event.get("predicted_amplification"),
+            )
+        )
+
+    def _on_reset_effect(self, event: dict[str, Any]) -> None:
+        found = self._tracks(event)
+        if found is None:
+            return
+        opt, _ = found
+        for reset in self.resets:
+            if reset.optimizer == opt.index and reset.step == int(event["step"]):
+                reset.before_steps = int(event.get("before_steps", 0))
+                reset.after_steps = int(event.get("after_steps", 0))
+                reset.effect = {
+                    opt.params[i]: (b, f, a)
+                    for i, b, f, a in zip(
+                        event["params"],
+                        event["before"],
+                        event["first"],
+                        event["after"],
+                        strict=True,
+                    )
+                }
+
+    def _on_skip(self, event: dict[str, Any]) -> None:
+        found = self._tracks(event)
+        if found is None:
+            return
+        opt, tracks = found
+        opt.scaler_skips.append(int(event["step"]))
+        for track in tracks:
+            track.skipped += 1
+
+    def _on_error(self, event: dict[str, Any]) -> None:
+        self.errors.append({k: event.get(k) for k in ("optimizer", "step", "detector", "message")})
+
+    def _on_end(self, event: dict[str, Any]) -> None:
+        self.end = dict(event)
+
+
+class _Detached(ParamTrack):
+    """A parameter now owned by a newer optimizer: the old one's events no longer count."""
+
+    def __init__(self) -> None:
+        super().__init__("", (), "", -1, None, False, False, 0)
+
+
+def stats_from_events(
+    events: list[dict[str, Any]], problems: list[str] | None = None
+) -> WatchStats:
+    stats = WatchStats(problems=list(problems or []))
+    for event in events:
+        stats.apply(event)
+    return stats

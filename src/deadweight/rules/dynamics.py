@@ -1,0 +1,572 @@
+"""DW3xx: what only time shows, judged from `deadweight.watch` statistics."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterator
+
+from deadweight.findings import Finding, Location, Severity
+from deadweight.homologous import homologous_groups
+from deadweight.probes.watch_stats import ParamTrack, WatchStats
+from deadweight.registry import get_rule, rule
+from deadweight.rules._drift import noise_driven
+
+# After this many optimizer steps a trainable parameter that is still bitwise what it
+# was is not learning: Adam moves every parameter with a gradient on step 1, and SGD
+# with any non-zero gradient changes some bit almost surely.
+NEVER_MOVED_AFTER = 50
+# A few skipped steps are normal (a GradScaler calibrating its scale, lr = 0 on the
+# first warm-up step); more than this share of the steps is a problem.
+SKIPPED_WARN_SHARE = 0.05
+SKIPPED_WARN_MIN = 5
+# A parameter with a gradient on fewer than half of the steps learns at half speed or
+# less (a rarely routed expert): worth a warning; more often than that, information.
+INTERMITTENT_WARN_BELOW = 0.5
+# Robust z-score (0.6745 (x - median) / MAD, Iglewicz & Hoaglin) above which a layer
+# stands out, and how far from the siblings' median it must also be, as a multiple of
+# that median's size: the incident's 56.25 next to 0.2-1.3 is 55 medians away.
+OUTLIER_Z = 5.0
+OUTLIER_MIN_FACTOR = 2.0  # positive values: at least 2x or 1/2x the median
+OUTLIER_MIN_DEVIATION = 1.0  # values of mixed sign: at least one median's size away
+
+
+def _names(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _module(name: str) -> Location:
+    return Location(module=name.rpartition(".")[0])
+
+
+@rule(
+    code="DW301",
+    name="never-moved",
+    severity=Severity.ERROR,
+    summary="A trainable parameter is bitwise unchanged after many optimizer steps.",
+    consumes=WatchStats,
+)
+def never_moved(stats: WatchStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    Compares every trainable parameter with its value when watching began, bit for
+    bit, at each watched step (exactly for small parameters, through its norm and a
+    checksum of its raw bits for large ones), and flags those still unchanged after
+    50 optimizer steps. Parameters held by `deadweight.pin` are skipped.
+
+    ## Why is this bad
+    A parameter that never changes is not being trained, and nothing fails: the
+    loss still falls thanks to the others, then plateaus. In the first incident a
+    fused RMSNorm recorded no backward, so the layer before it and the norm's own
+    weight never received a gradient and stayed at their initial values for the
+    whole run.
+
+    ## Example
+    ```python
+    h = fused_rms_norm(self.l1(x), self.norm.weight)  # no backward: l1, norm get no grad
+    ```
+
+    ## Fix
+    Run `deadweight check` on the model to find where the graph is cut (DW101/DW102),
+    or put the parameter into the optimizer, or give its group a non-zero learning
+    rate. If it is meant to stay fixed, freeze it or `deadweight.pin` it.
+    """
+    causes: dict[str, list[ParamTrack]] = {}
+    for track in stats.params.values():
+        if track.pinned or track.moved is not False or track.steps < NEVER_MOVED_AFTER:
+            continue
+        if track.group is None:
+            cause = "they are in no watched optimizer"
+        elif track.grad_present == 0:
+            cause = "they never received a gradient"
+        elif track.lr0_steps >= track.grad_present:
+            cause = "their learning rate was 0 whenever they had a gradient"
+        else:
+            cause = "they had gradients but the optimizer never changed them"
+        causes.setdefault(cause, []).append(track)
+    for cause, tracks in causes.items():
+        names = [t.name for t in tracks]
+        steps = max(t.steps for t in tracks)
+        yield get_rule("DW301").finding(
+            f"{len(names)} trainable parameter(s) are bitwise unchanged after {steps} optimizer "
+            f"steps ({_names(names)}): {cause}.",
+            params=names,
+            location=_module(names[0]),
+            evidence={
+                "steps": steps,
+                "cause": cause,
+                "per_param": {
+                    t.name: {
+                        "steps_with_grad": t.grad_present,
+                        "last_grad_rms": _last(t.series.grad_rms),
+                        "mean_lr": t.mean_lr,
+                    }
+                    for t in tracks
+                },
+            },
+        )
+
+
+def _last(values: list[float | None]) -> float | None:
+    return next((v for v in reversed(values) if v is not None), None)
+
+
+@rule(
+    code="DW302",
+    name="drift-without-gradient",
+    severity=Severity.WARNING,
+    summary="A parameter keeps moving in one direction while its gradient is numerical noise.",
+    consumes=WatchStats,
+)
+def drift_without_gradient(stats: WatchStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    For every small parameter (layer scalars, norm gains, biases) it follows each
+    update exactly and compares the parameter's gradient with that of its homologous
+    siblings (the same name in other layers) or, without siblings, with the other
+    small parameters. It flags a parameter whose gradient is at most 1/1000 of theirs
+    while it still moves by a sizeable fraction of the learning rate per step, mostly
+    in one direction.
+
+    ## Why is this bad
+    Adam-family optimizers normalise each update by the gradient's own running size,
+    so a gradient that is pure rounding noise still produces steps of about the
+    learning rate. If the noise has a bias, the parameter drifts without bound while
+    the loss cannot see it. In the second incident a layer scalar that the final
+    RMSNorm cancels drifted from 1.0 to 56.25 over 53k steps with 82% of its updates
+    positive, invisible in the loss, and would have wrecked INT4 quantization.
+
+    ## Example
+    ```python
+    return self.final_norm(self.layer_scalar * h)  # RMSNorm divides the scalar out
+    ```
+
+    ## Fix
+    If the parameter has no use, remove it. Otherwise keep it fixed with
+    `deadweight.pin(model, name)` (the gradient is zeroed after every backward, so
+    Adam's update is exactly 0, and it stays out of weight decay). Forcing weight
+    decay on it only moves the drift's equilibrium, to drift / (lr * wd).
+    """
+    for d in noise_driven(stats):
+        moved = (
+            f"{d.values[0]:.4g} -> {d.values[1]:.4g}" if d.values else f"{d.total_drift:.4g} (norm)"
+        )
+        yield get_rule("DW302").finding(
+            f"{d.name} moves {d.update_rms / d.mean_lr:.2f} lr per step, {d.same_sign:.0%} of its "
+            f"steps the same way, and has drifted {moved} in {d.steps} steps, while "
+            f"its gradient is {d.grad_ratio:.1e} of its {d.reference.split(' ')[0]}' "
+            f"({d.grad_rms:.2e} vs {d.reference_grad_rms:.2e}): Adam is turning noise into steps.",
+            params=[d.name],
+            location=_module(d.name),
+            evidence={
+                "steps": d.steps,
+                "drift_per_step": d.total_drift / d.steps,
+                "drift_per_step_lr": d.total_drift / d.steps / d.mean_lr,
+                "mean_update_lr": d.update_rms / d.mean_lr,
+                "same_sign_fraction": d.same_sign,
+                "total_drift": d.total_drift,
+                "start_norm": d.start_norm,
+                "first_value": d.values[0] if d.values else None,
+                "last_value": d.values[1] if d.values else None,
+                "grad_rms": d.grad_rms,
+                "reference_grad_rms": d.reference_grad_rms,
+                "grad_ratio": d.grad_ratio,
+                "update_vs_signal": d.update_vs_signal,
+                "reference": d.reference,
+                "mean_lr": d.mean_lr,
+            },
+        )
+
+
+@rule(
+    code="DW303",
+    name="optimizer-state-reset",
+    severity=Severity.WARNING,
+    summary="Adam-family moments went back to zero mid-run, amplifying noise-driven updates.",
+    consumes=WatchStats,
+)
+def optimizer_state_reset(stats: WatchStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    Notices when an optimizer's per-parameter state (Adam's moments and step
+    counter) is empty again for parameters that had it: `optimizer.state` cleared, a
+    new optimizer built over the same parameters, or a checkpoint loaded without
+    optimizer state. It measures the update sizes of the small parameters in the
+    steps right after the reset against those right before, next to the predicted
+    amplification sqrt(1 / (1 - beta2)). It is a warning when parameters whose
+    gradient is at the noise floor (DW302) are among those reset, information
+    otherwise.
+
+    ## Why is this bad
+    Right after a reset Adam's second moment is tiny, so updates driven by noise are
+    sqrt(1 / (1 - beta2)) times larger (4.47 for beta2 = 0.95) until it builds up
+    again. In the second incident a stage change loaded weights with
+    `--no-load-optim` and the drifting scalar moved 5.4 times faster from then on.
+
+    ## Example
+    ```python
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)  # stage 2: fresh state
+    ```
+
+    ## Fix
+    Load the optimizer state with the weights when resuming; when that is not
+    possible (new parameters), remap the old state onto the new optimizer. Pin or
+    remove the noise-driven parameters (DW302) so a reset has nothing to amplify.
+    """
+    drifting = {d.name for d in noise_driven(stats)}
+    for reset in stats.resets:
+        noisy = [n for n in reset.params if n in drifting]
+        evidence: dict[str, object] = {
+            "step": reset.step,
+            "parameters": len(reset.params),
+            "predicted_amplification": reset.predicted,
+        }
+        measured = ""
+        if reset.effect:
+            ratios = _ratios(reset.effect, noisy or list(reset.effect))
+            if ratios:
+                first = statistics.median(r[0] for r in ratios)
+                mean = statistics.median(r[1] for r in ratios)
+                evidence |= {
+                    "measured_first_update_ratio": first,
+                    f"measured_first_{reset.after_steps}_updates_ratio": mean,
+                    "measured_on": "noise-driven parameters" if noisy else "small parameters",
+                    "per_param": {
+                        n: {"first": r[0], f"first_{reset.after_steps}": r[1]}
+                        for n, r in zip(noisy or list(reset.effect), ratios, strict=False)
+                    }
+                    if noisy
+                    else {},
+                }
+                measured = (
+                    f" Updates of {'the noise-driven' if noisy else 'the small'} parameters right "
+                    f"after it: first {first:.2f}x, first {reset.after_steps} steps {mean:.2f}x "
+                    f"the {reset.before_steps} steps before"
+                    + (f" (predicted {reset.predicted:.2f}x)." if reset.predicted else ".")
+                )
+        elif reset.predicted:
+            measured = f" Predicted amplification of noise-driven updates: {reset.predicted:.2f}x."
+        who = (
+            f"including {_names(noisy)} whose gradient is noise"
+            if noisy
+            else "none of them noise-driven"
+        )
+        yield get_rule("DW303").finding(
+            f"Optimizer state of {len(reset.params)} parameter(s) went back to zero at step "
+            f"{reset.step} ({who}).{measured}",
+            params=noisy or reset.params,
+            evidence=evidence,
+            severity=Severity.WARNING if noisy else Severity.INFO,
+        )
+
+
+def _ratios(
+    effect: dict[str, tuple[float, float, float]], names: list[str]
+) -> list[tuple[float, float]]:
+    out = []
+    for name in names:
+        if name not in effect:
+            continue
+        before, first, after = effect[name]
+        if before and before > 0 and math.isfinite(before):
+            out.append((first / before, after / before))
+    return out
+
+
+@rule(
+    code="DW304",
+    name="skipped-steps",
+    severity=Severity.WARNING,
+    summary="Optimizer steps left parameters with non-zero gradients unchanged.",
+    consumes=WatchStats,
+)
+def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    Counts steps that did not update parameters which had a gradient: steps a
+    GradScaler skipped because it found inf/NaN gradients, steps with a learning
+    rate of 0, and, for small parameters, steps whose update was lost entirely (for
+    example below the precision of a bf16 parameter). A few skips are normal (a
+    GradScaler calibrating its scale, lr 0 on the first warm-up step) and reported
+    as information; more than 5% of the steps is a warning.
+
+    ## Why is this bad
+    Each skipped step is a batch the model did not learn from, and the loss curve
+    only shows it as slower progress. A GradScaler that keeps skipping means the
+    gradients keep overflowing; updates lost to rounding mean the parameter's dtype
+    cannot represent the step.
+
+    ## Example
+    ```python
+    scaler.step(optimizer)  # silently skipped whenever a gradient is inf/NaN
+    ```
+
+    ## Fix
+    For GradScaler skips, find the overflow (deadweight's DW305, a lower learning
+    rate, bf16 instead of fp16). For lr 0, check the schedule. For lost updates,
+    keep a higher-precision copy of the parameter (fp32 master weights).
+    """
+    for opt in stats.optimizers.values():
+        skips = opt.scaler_skips
+        if skips:
+            share = len(skips) / max(1, opt.steps + len(skips))
+            yield get_rule("DW304").finding(
+                f"A GradScaler skipped {len(skips)} of {opt.steps + len(skips)} steps of "
+                f"{opt.cls}#{opt.index} ({share:.1%}), the first after step {skips[0]}.",
+                evidence={
+                    "optimizer": f"{opt.cls}#{opt.index}",
+                    "skipped": len(skips),
+                    "first_after_step": skips[0],
+                    "share": share,
+                },
+                severity=_skip_severity(len(skips), share),
+            )
+    lost: dict[str, list[ParamTrack]] = {}
+    for track in stats.params.values():
+        if track.pinned or track.steps == 0:
+            continue
+        if track.lr0_steps:
+            lost.setdefault("learning rate 0", []).append(track)
+        if track.small_stats and track.small_stats.zero_updates > track.lr0_steps:
+            lost.setdefault("update lost (non-zero lr and gradient, no change)", []).append(track)
+    for cause, tracks in lost.items():
+        counts = {
+            t.name: int(
+                t.lr0_steps
+                if cause.startswith("learning")
+                else (t.small_stats.zero_updates - t.lr0_steps if t.small_stats else 0)
+            )
+            for t in tracks
+        }
+        worst = max(counts.values())
+        steps = max(t.steps for t in tracks)
+        share = worst / max(1, steps)
+        names = list(counts)
+        yield get_rule("DW304").finding(
+            f"{len(names)} parameter(s) had a gradient but were not updated on up to {worst} of "
+            f"{steps} steps ({cause}): {_names(names)}.",
+            params=names,
+            location=_module(names[0]),
+            evidence={"cause": cause, "steps": steps, "skipped": counts, "share": share},
+            severity=_skip_severity(worst, share),
+        )
+
+
+def _skip_severity(count: int, share: float) -> Severity:
+    if count >= SKIPPED_WARN_MIN and share >= SKIPPED_WARN_SHARE:
+        return Severity.WARNING
+    return Severity.INFO
+
+
+@rule(
+    code="DW305",
+    name="non-finite",
+    severity=Severity.ERROR,
+    summary="A gradient or parameter value became NaN or Inf.",
+    consumes=WatchStats,
+)
+def non_finite(stats: WatchStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    Checks every gradient for NaN/Inf at every step (one fused norm on the device,
+    read back at the next watched step) and every parameter at each watched step,
+    and reports the first step and parameter where it happened. Gradients a
+    GradScaler skipped are not counted: the scaler handles those.
+
+    ## Why is this bad
+    One non-finite gradient that reaches the optimizer turns the parameter, and
+    Adam's moments, into NaN for good; the loss follows some steps later, far from
+    the cause.
+
+    ## Example
+    ```python
+    loss = (logits.exp() / logits.exp().sum()).log()  # overflows for large logits
+    ```
+
+    ## Fix
+    Look at the first parameter and step reported: the layer that produced it is
+    where the overflow starts. Use numerically stable ops (log_softmax), a lower
+    learning rate, gradient clipping, or a GradScaler under fp16.
+    """
+    events = [
+        (step, what, t.name) for t in stats.params.values() for what, step in t.nonfinite.items()
+    ]
+    if not events:
+        return
+    events.sort()
+    step, what, name = events[0]
+    names = sorted({n for _, _, n in events}, key=lambda n: min(s for s, _, m in events if m == n))
+    yield get_rule("DW305").finding(
+        f"The {what} of {name} became NaN/Inf at step {step}"
+        + (f"; {len(names) - 1} more parameter(s) followed" if len(names) > 1 else "")
+        + ".",
+        params=names,
+        location=_module(name),
+        evidence={
+            "first_step": step,
+            "first_param": name,
+            "first_kind": what,
+            "per_param": {n: {w: s for s, w, m in events if m == n} for n in names},
+        },
+    )
+
+
+@rule(
+    code="DW306",
+    name="intermittent-gradient",
+    severity=Severity.INFO,
+    summary="A parameter gets a gradient on some steps and none on others.",
+    consumes=WatchStats,
+)
+def intermittent_gradient(stats: WatchStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    Counts, per parameter, the optimizer steps on which its gradient was present
+    (not None). Parameters with a gradient on some steps but not all are reported
+    with the fraction; below half of the steps it is a warning.
+
+    ## Why is this bad
+    A parameter without a gradient is skipped by the optimizer on that step. That is
+    by design for mixture-of-experts experts or conditional branches, but an expert
+    routed on 2% of the steps is barely trained, and a branch that only some batches
+    reach may be a data or routing bug.
+
+    ## Example
+    ```python
+    out = self.experts[router(x).argmax()](x)  # most experts get no gradient this step
+    ```
+
+    ## Fix
+    For mixture-of-experts, check the router's load balance (an auxiliary balancing
+    loss, capacity factors). For conditional code, make sure every branch is taken
+    often enough, or give the rarely used parameters their own learning rate.
+    """
+    by_severity: dict[Severity, list[ParamTrack]] = {}
+    for track in stats.params.values():
+        if track.group is None or track.steps == 0 or track.pinned:
+            continue
+        if 0 < track.grad_present < track.steps:
+            fraction = track.grad_present / track.steps
+            sev = Severity.WARNING if fraction < INTERMITTENT_WARN_BELOW else Severity.INFO
+            by_severity.setdefault(sev, []).append(track)
+    for severity, tracks in by_severity.items():
+        fractions = {t.name: t.grad_present / t.steps for t in tracks}
+        names = sorted(fractions, key=fractions.__getitem__)
+        low = fractions[names[0]]
+        yield get_rule("DW306").finding(
+            f"{len(names)} parameter(s) got a gradient on only part of the steps "
+            f"({_names(names)}; the rarest on {low:.1%} of {max(t.steps for t in tracks)} steps).",
+            params=names,
+            location=_module(names[0]),
+            evidence={"fraction_with_grad": fractions},
+            severity=severity,
+        )
+
+
+@rule(
+    code="DW307",
+    name="layer-outlier",
+    severity=Severity.WARNING,
+    summary="One layer's parameter stands far out from the same parameter in other layers.",
+    consumes=WatchStats,
+)
+def layer_outlier(stats: WatchStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    Groups parameters whose names are equal up to a layer index (`layers.{i}.X`,
+    three layers or more) and compares one number per layer: the value for
+    single-element parameters, the RMS otherwise. A layer is an outlier when its
+    robust z-score (from the median and the median absolute deviation, on a log
+    scale when all values are positive) is at least 5 and it differs from the median
+    by a factor of 2 or more (by one median's size for values of mixed sign). The finding gives the first
+    watched step at which it stood out.
+
+    ## Why is this bad
+    Layers of one model are built alike and usually train alike. One that stands
+    out is often a parameter the loss does not constrain (second incident: 56.25
+    among values of 0.2 to 1.3), a layer that diverged, or one that never trained.
+    Even when the loss is fine, such a value ruins quantization ranges.
+
+    ## Example
+    ```text
+    blocks.{0-30}.layer_scalar: 0.2 .. 1.3     blocks.31.layer_scalar: 56.25
+    ```
+
+    ## Fix
+    Find out why that layer differs: DW302 says whether it drifts without a
+    gradient (then `deadweight.pin` it), DW301 whether it never moved.
+    """
+    groups = homologous_groups(stats.params)
+    for template, members in groups.items():
+        tracks = [stats.params[n] for _, n in members]
+        if any(t.pinned for t in tracks) or len({t.optimizer for t in tracks}) > 1:
+            continue
+        length = min(len(t.series.steps) for t in tracks)
+        if length == 0:
+            continue
+        found = None
+        for k in range(length):
+            values = [_layer_value(t, k) for t in tracks]
+            if any(v is None for v in values):
+                continue
+            hit = _outlier([float(v) for v in values if v is not None])
+            if hit is not None and found is None:
+                found = (k, hit)
+            elif hit is None:
+                found = None  # it must still stand out at the end
+        if found is None:
+            continue
+        k0, _ = found
+        last_values = [
+            float(v) if v is not None else math.nan
+            for v in (_layer_value(t, length - 1) for t in tracks)
+        ]
+        index, z = _outlier(last_values) or found[1]
+        outlier = tracks[index]
+        median = statistics.median(last_values)
+        kind = "value" if outlier.numel == 1 else "RMS"
+        yield get_rule("DW307").finding(
+            f"{outlier.name} has {kind} {last_values[index]:.4g} while its {len(tracks) - 1} "
+            f"siblings {template} have median {median:.4g} (robust z = {z:.1f}); it has stood "
+            f"out since step {outlier.series.steps[k0]}.",
+            params=[outlier.name],
+            location=_module(outlier.name),
+            evidence={
+                "template": template,
+                "statistic": kind,
+                "value": last_values[index],
+                "median": median,
+                "robust_z": z,
+                "since_step": outlier.series.steps[k0],
+                "values": {t.name: v for t, v in zip(tracks, last_values, strict=True)},
+            },
+        )
+
+
+def _layer_value(track: ParamTrack, k: int) -> float | None:
+    if track.numel == 1 and len(track.series.value) > k and track.series.value[k]:
+        return track.series.value[k][0]
+    norm = track.series.param_norm[k] if k < len(track.series.param_norm) else None
+    return norm / math.sqrt(track.numel) if norm is not None and track.numel else None
+
+
+def _outlier(values: list[float]) -> tuple[int, float] | None:
+    """(index, robust z) of the single most extreme value, if it is an outlier.
+
+    Positive quantities (RMS, gains, most scalars) are compared on a log scale, where
+    0.13 among ~1.0 is as far out as 8 among ~1.0, and must differ from the median
+    by a factor of 2 or more; values of mixed sign by at least one median's size.
+    """
+    if len(values) < 3 or any(not math.isfinite(v) for v in values):
+        return None
+    positive = all(v > 0 for v in values)
+    xs = [math.log(v) for v in values] if positive else values
+    median = statistics.median(xs)
+    deviations = [abs(x - median) for x in xs]
+    mad = statistics.median(deviations)
+    index = max(range(len(xs)), key=deviations.__getitem__)
+    least = math.log(OUTLIER_MIN_FACTOR) if positive else OUTLIER_MIN_DEVIATION * abs(median)
+    if deviations[index] == 0 or deviations[index] < least:
+        return None
+    z = math.inf if mad == 0 else 0.6745 * deviations[index] / mad
+    return (index, z) if z >= OUTLIER_Z else None

@@ -1,0 +1,377 @@
+"""`deadweight.watch`: a training-time monitor that lives in optimizer step hooks.
+
+    with deadweight.watch(model, optimizer, log="run.jsonl") as w:
+        for batch in data:
+            ...                      # the training loop, unchanged
+    print(w.report())
+
+Nothing is added to the loop but removable optimizer step hooks (and, when a
+GradScaler is passed, a wrapper around that scaler's `step` to see the steps it
+skips). `watch_all()` is the zero-code variant behind `deadweight run`: global
+optimizer hooks that pick up every optimizer a script creates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from deadweight.probes import owners
+from deadweight.probes.event_log import LogWriter, start_event
+from deadweight.probes.step_monitor import MonitorConfig, StepMonitor
+from deadweight.probes.watch_stats import WatchStats
+from deadweight.registry import Selection, rules_consuming
+from deadweight.report import Report
+
+log = logging.getLogger(__name__)
+
+
+def _as_list(x: Any, kind: type) -> list[Any]:
+    if x is None:
+        return []
+    if isinstance(x, kind):
+        return [x]
+    items = list(x)
+    bad = [type(i).__name__ for i in items if not isinstance(i, kind)]
+    if bad:
+        raise TypeError(f"expected {kind.__name__} objects, got {', '.join(bad)}")
+    return items
+
+
+class Watch:
+    """A running monitor. `report()` at any time; `close()` (or leaving the `with`
+    block) removes every hook and ends the log."""
+
+    def __init__(
+        self,
+        models: Sequence[nn.Module] = (),
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        *,
+        config: MonitorConfig,
+        log: str | os.PathLike[str] | None = None,
+        scaler: Any = None,
+        argv: list[str] | None = None,
+        lazy_log: bool = False,
+    ) -> None:
+        self.config = config
+        self.models = list(models)
+        self.stats = WatchStats()
+        self.log_path = os.fspath(log) if log is not None else None
+        self._writer: LogWriter | None = None
+        # Events before the log is opened (zero-code mode opens it at the first step, so
+        # processes that never step, such as a launcher or data workers, write nothing).
+        self._pending: list[dict[str, Any]] | None = [] if self.log_path is not None else None
+        if self.log_path is not None and not lazy_log:
+            self._open_log()
+        self._monitors: dict[int, StepMonitor] = {}
+        self._handles: list[RemovableHandle] = []
+        self._restore: list[Any] = []
+        self._closed = False
+        self._names: dict[int, str] = owners.parameter_names(self.models)
+        self._emit(start_event(config.to_dict(), argv))
+        watched = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+        passengers = [
+            (n, p)
+            for model in self.models
+            for n, p in model.named_parameters()
+            if p.requires_grad and id(p) not in watched
+        ]
+        for k, opt in enumerate(optimizers):
+            self.add(opt, passengers=passengers if k == 0 else ())
+        if scaler is not None:
+            self._wrap_scaler(scaler)
+
+    # -- wiring ----------------------------------------------------------------------------
+
+    def add(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        passengers: Sequence[tuple[str, torch.Tensor]] = (),
+    ) -> None:
+        """Watch one more optimizer (its parameters are named from the watched models)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if id(optimizer) in self._monitors:
+            return
+        monitor = self._monitor(optimizer, passengers)
+        self._handles.append(optimizer.register_step_pre_hook(self._pre_hook(monitor)))
+        self._handles.append(optimizer.register_step_post_hook(self._post_hook(monitor)))
+
+    def _monitor(
+        self, optimizer: torch.optim.Optimizer, passengers: Sequence[tuple[str, torch.Tensor]] = ()
+    ) -> StepMonitor:
+        index = len(self._monitors)
+        positions: dict[int, tuple[int, int]] = {}
+        for g, group in enumerate(optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                positions.setdefault(id(p), (g, j))
+        for name, p in passengers:
+            self._names.setdefault(id(p), name)
+
+        def name_of(p: torch.Tensor) -> str:
+            name = self._names.get(id(p))
+            if name is None:
+                g, j = positions.get(id(p), (0, 0))
+                name = owners.fallback_name(index, g, j, p)
+            return name
+
+        monitor = StepMonitor(index, optimizer, name_of, self._emit, self.config, passengers)
+        self._monitors[id(optimizer)] = monitor
+        return monitor
+
+    @staticmethod
+    def _pre_hook(monitor: StepMonitor) -> Any:
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            with contextlib.suppress(Exception):  # never let deadweight stop training
+                monitor.before_step()
+
+        return hook
+
+    @staticmethod
+    def _post_hook(monitor: StepMonitor) -> Any:
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            with contextlib.suppress(Exception):
+                monitor.after_step()
+
+        return hook
+
+    def _wrap_scaler(self, scaler: Any) -> None:
+        """See the steps a GradScaler skips: it does not call optimizer.step() then."""
+        original = scaler.step
+        monitors = self._monitors
+
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            monitor = monitors.get(id(optimizer))
+            before = monitor.calls_finished if monitor is not None else 0
+            result = original(optimizer, *args, **kwargs)
+            if monitor is not None and monitor.calls_finished == before:
+                with contextlib.suppress(Exception):
+                    monitor.skipped_by_scaler()
+            return result
+
+        had_own = "step" in vars(scaler)
+        scaler.step = step
+
+        def restore() -> None:
+            if had_own:
+                scaler.step = original
+            else:
+                del scaler.step
+
+        self._restore.append(restore)
+
+    def _open_log(self) -> None:
+        if self.log_path is None or self._writer is not None or self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        try:
+            self._writer = LogWriter(self.log_path)
+            for event in pending:
+                self._writer.write(event)
+        except OSError as exc:
+            self.stats.errors.append({"detector": "log", "message": f"{type(exc).__name__}: {exc}"})
+            self._writer = None
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        try:
+            self.stats.apply(event)
+        except Exception as exc:
+            self.stats.errors.append(
+                {"detector": "statistics", "message": f"{type(exc).__name__}: {exc}"}
+            )
+        if self._pending is not None:
+            self._pending.append(event)
+        elif self._writer is not None:
+            try:
+                self._writer.write(event)
+            except Exception as exc:  # a full disk must not stop training either
+                self.stats.errors.append(
+                    {"detector": "log", "message": f"{type(exc).__name__}: {exc}"}
+                )
+                self._writer = None
+
+    # -- results ---------------------------------------------------------------------------
+
+    def report(
+        self,
+        *,
+        select: Iterable[str] | str | None = None,
+        ignore: Iterable[str] | str | None = None,
+    ) -> Report:
+        """The findings so far (as of the last watched step)."""
+        return report_from_stats(self.stats, select=select, ignore=ignore, log=self.log_path)
+
+    def close(self, reason: str = "closed") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for restore in self._restore:
+            with contextlib.suppress(Exception):
+                restore()
+        self._restore.clear()
+        self._emit({"event": "end", "reason": reason, "steps": self.stats.steps})
+        if self._writer is not None:
+            self._writer.close()
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.close("interrupted")
+        else:
+            self.close(f"raised {exc_type.__name__}: {exc}")
+
+
+class GlobalWatch(Watch):
+    """Watches every optimizer that steps while it is open (zero-code mode)."""
+
+    def __init__(self, *, config: MonitorConfig, log: str | None, argv: list[str] | None) -> None:
+        super().__init__(config=config, log=log, argv=argv, lazy_log=True)
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        self._handles.append(register_optimizer_step_pre_hook(self._global_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._global_post))
+        self._patch_grad_scaler()
+
+    def _global_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        with contextlib.suppress(Exception):
+            monitor = self._monitors.get(id(optimizer))
+            if monitor is None:
+                monitor = self._discover(optimizer)
+            monitor.before_step()
+
+    def _global_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        with contextlib.suppress(Exception):
+            monitor = self._monitors.get(id(optimizer))
+            if monitor is not None:
+                monitor.after_step()
+
+    def _discover(self, optimizer: torch.optim.Optimizer) -> StepMonitor:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        models = owners.owning_models(params)
+        for name_id, name in owners.parameter_names(models).items():
+            self._names.setdefault(name_id, name)
+        self._open_log()
+        return self._monitor(optimizer)
+
+    def _patch_grad_scaler(self) -> None:
+        try:
+            from torch.amp.grad_scaler import GradScaler
+        except ImportError:  # pragma: no cover - torch without amp
+            return
+        original = GradScaler.step
+        monitors = self._monitors
+
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            monitor = monitors.get(id(optimizer))
+            before = monitor.calls_finished if monitor is not None else 0
+            result = original(scaler, optimizer, *args, **kwargs)
+            monitor = monitors.get(id(optimizer))  # the first step may have discovered it
+            if monitor is not None and monitor.calls_finished == before:
+                with contextlib.suppress(Exception):
+                    monitor.skipped_by_scaler()
+            return result
+
+        GradScaler.step = step  # type: ignore[method-assign,assignment]
+
+        def restore() -> None:
+            GradScaler.step = original  # type: ignore[method-assign]
+
+        self._restore.append(restore)
+
+
+def report_from_stats(
+    stats: WatchStats,
+    *,
+    select: Iterable[str] | str | None = None,
+    ignore: Iterable[str] | str | None = None,
+    log: str | None = None,
+) -> Report:
+    selection = Selection.of(select, ignore)
+    findings = [f for r in rules_consuming(WatchStats) for f in r.judge(stats)]
+    subject = {
+        "log": log,
+        "steps": stats.steps,
+        "optimizers": [f"{o.cls}#{o.index}" for o in stats.optimizers.values()],
+        "parameters": len(stats.params),
+        "complete": stats.complete,
+        "end": (stats.end or {}).get("reason"),
+        "detector_errors": stats.errors,
+        "problems": stats.problems,
+    }
+    return Report.of("watch", selection.filter(findings), subject)
+
+
+def watch(
+    model: nn.Module | Iterable[nn.Module] | None = None,
+    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+    *,
+    every: int = 20,
+    log: str | os.PathLike[str] | None = None,
+    full: bool = False,
+    scaler: Any = None,
+    small: int | None = None,
+) -> Watch:
+    """Watch training: install optimizer step hooks and return the running `Watch`.
+
+    model: the model(s) whose parameters are named (and checked for movement even if
+        no watched optimizer holds them).
+    optimizer: the optimizer(s) whose steps are watched; more with `Watch.add`.
+    every: fuller statistics every `every` optimizer steps (the cheap checks run
+        every step).
+    log: write the versioned JSONL event log here (`deadweight report` reads it).
+    full: copy every large parameter on watched steps, for exact update norms of all
+        (costs a copy of the parameters each watched step).
+    scaler: a `torch.amp.GradScaler` whose skipped steps should be counted.
+    small: parameters with at most this many elements get exact per-step statistics.
+    """
+    models = _as_list(model, nn.Module)
+    optimizers = _as_list(optimizer, torch.optim.Optimizer)
+    if not optimizers:
+        raise TypeError("watch() needs at least one optimizer: its step hooks do the watching")
+    config = MonitorConfig(
+        every=every, full=full, **({"small": small} if small is not None else {})
+    )
+    return Watch(models, optimizers, config=config, log=log, scaler=scaler, argv=list(sys.argv))
+
+
+@contextlib.contextmanager
+def watch_all(
+    *, every: int = 20, log: str | None = None, full: bool = False, argv: list[str] | None = None
+) -> Iterator[GlobalWatch]:
+    """Watch every optimizer that steps inside the block (what `deadweight run` uses)."""
+    w = GlobalWatch(config=MonitorConfig(every=every, full=full), log=log, argv=argv)
+    try:
+        yield w
+    except KeyboardInterrupt:
+        w.close("interrupted")
+        raise
+    except BaseException as exc:
+        w.close(f"raised {type(exc).__name__}: {exc}")
+        raise
+    else:
+        w.close()

@@ -1,0 +1,53 @@
+"""The script side of `deadweight run`: watch every optimizer, close the log at exit.
+
+`deadweight run` starts the user's command with `deadweight/_bootstrap` first on
+PYTHONPATH and the settings in `DEADWEIGHT_RUN_*` variables; that folder's
+`sitecustomize` calls `start()` before the script's first line runs. The log is
+opened only when an optimizer first steps, so a launcher or data-loading process
+that never steps writes nothing. Under torchrun every rank but 0 writes to
+`LOG.rank{N}.jsonl`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from types import TracebackType
+
+from deadweight.probes.step_monitor import MonitorConfig
+
+ENV_LOG = "DEADWEIGHT_RUN_LOG"
+ENV_EVERY = "DEADWEIGHT_RUN_EVERY"
+ENV_FULL = "DEADWEIGHT_RUN_FULL"
+
+_reason = ["exited"]
+
+
+def log_path_for_rank(path: str, rank: str | None) -> str:
+    if not rank or rank == "0":
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext or '.jsonl'}"
+
+
+def start() -> None:
+    from deadweight.watcher import GlobalWatch
+
+    path = log_path_for_rank(os.environ[ENV_LOG], os.environ.get("RANK"))
+    config = MonitorConfig(
+        every=int(os.environ.get(ENV_EVERY, "20")), full=os.environ.get(ENV_FULL) == "1"
+    )
+    watch = GlobalWatch(config=config, log=path, argv=list(sys.argv))
+    previous_hook = sys.excepthook
+
+    def excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        _reason[0] = (
+            "interrupted"
+            if issubclass(kind, KeyboardInterrupt)
+            else f"raised {kind.__name__}: {exc}"
+        )
+        previous_hook(kind, exc, tb)
+
+    sys.excepthook = excepthook
+    atexit.register(lambda: watch.close(_reason[0]))
