@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -75,6 +75,7 @@ class Watch:
         self._monitors: dict[int, StepMonitor] = {}
         self._handles: list[RemovableHandle] = []
         self._restore: list[Any] = []
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self._closed = False
         self._names: dict[int, str] = owners.parameter_names(self.models)
         self._emit(start_event(config.to_dict(), argv))
@@ -170,6 +171,12 @@ class Watch:
 
         self._restore.append(restore)
 
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call `listener(event)` with every event after it is recorded (integrations use
+        this to forward scalars to TensorBoard or W&B). A listener that raises is
+        dropped and the error shown in the report; training goes on."""
+        self._listeners.append(listener)
+
     def _open_log(self) -> None:
         if self.log_path is None or self._writer is not None or self._pending is None:
             return
@@ -199,6 +206,17 @@ class Watch:
                     {"detector": "log", "message": f"{type(exc).__name__}: {exc}"}
                 )
                 self._writer = None
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception as exc:
+                self._listeners.remove(listener)
+                self.stats.errors.append(
+                    {
+                        "detector": f"listener {listener!r}",
+                        "message": f"{type(exc).__name__}: {exc}",
+                    }
+                )
 
     # -- results ---------------------------------------------------------------------------
 
