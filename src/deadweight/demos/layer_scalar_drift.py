@@ -135,6 +135,23 @@ def make(
     return Setup(model, optimizer, x, y, gen)
 
 
+# Watching the drift in CI time. The toy's noise gradient (1e-8 to 1e-7) is the size
+# of Adam's default eps, which damps its steps to ~0.2 lr; the incident's steps were
+# ~lr. eps = 1e-12 puts the toy in the incident's regime, and lr = 2e-3 makes the drift
+# stand out among the siblings within ~1000 steps instead of tens of thousands.
+WATCH_LR = 2e-3
+WATCH_EPS = 1e-12
+
+
+def make_watchable(seed: int = 0) -> Setup:
+    """The toy with noise well above Adam's eps, as in the incident."""
+    setup = make(seed)
+    for group in setup.optimizer.param_groups:
+        group["lr"] = WATCH_LR
+        group["eps"] = WATCH_EPS
+    return setup
+
+
 @dataclass
 class Trace:
     """What training showed: the last scalar's value, its updates, the loss."""

@@ -77,10 +77,22 @@ class MonitorConfig:
 _HAD_STATE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+_FOLD = 1009  # a prime: elements are summed per position modulo it
+
+
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """An int64 sum of the raw bits: any single-bit change of one element changes it."""
+    """A position-weighted int64 checksum of the raw bits.
+
+    Any change of one element changes it, and so does swapping two elements whose
+    positions differ modulo _FOLD (a plain sum would miss permutations).
+    """
     view = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return torch.sum(t.detach().reshape(-1).view(view), dtype=torch.int64)
+    bits = t.detach().reshape(-1).view(view)
+    whole = bits.numel() - bits.numel() % _FOLD
+    columns = torch.sum(bits[:whole].reshape(-1, _FOLD), dim=0, dtype=torch.int64)
+    weights = torch.arange(1, _FOLD + 1, dtype=torch.int64, device=t.device)
+    rest = bits[whole:].to(torch.int64) * weights[: bits.numel() - whole]
+    return (columns * weights).sum() + rest.sum()
 
 
 def _host_float(value: Any) -> float | None:
@@ -146,6 +158,7 @@ class _Bucket:
         self.zero_upd = torch.zeros(ns, **f64)  # steps with a non-zero grad and no change
         self.ring = torch.zeros(RING, ns, **f64)  # ||update|| of the last RING steps
         self.pre_small: torch.Tensor | None = None
+        self.last_un = torch.full((ns,), math.nan, **f64)  # ||update|| of the latest step
         self.gn_small: torch.Tensor | None = None
         self.copies: dict[int, torch.Tensor] = {}
 
@@ -212,6 +225,7 @@ class _Bucket:
         self.rpos += radial > 0
         self.rneg += radial < 0
         self.ring[step % RING] = un
+        self.last_un = un
         if self.gn_small is not None:
             self.zero_upd += (un == 0) & (self.gn_small > 0)
         self.pre_small = None
@@ -240,7 +254,10 @@ class _Bucket:
         if self.small:
             post = self._cat_small()
             drift = self._segsum((post - self.theta0) ** 2).sqrt()
-            smalls = [self.path, self.rpos, self.rneg, self.sens, self.gsum, self.zero_upd, drift]
+            smalls = [
+                self.path, self.rpos, self.rneg, self.sens, self.gsum, self.zero_upd, drift,
+                self.last_un,
+            ]  # fmt: skip
             values = torch.cat(
                 [
                     params[i].reshape(-1).double()
@@ -279,8 +296,11 @@ class _Bucket:
         out["pnorm"] = take(n)
         same_norm = take(n)
         out["unorm"] = dict(zip(copied, take(len(copied)), strict=True))
-        for key in ("path", "rpos", "rneg", "sens", "gsum", "zero_upd", "drift"):
+        for key in ("path", "rpos", "rneg", "sens", "gsum", "zero_upd", "drift", "last_un"):
             out[key] = take(ns) if ns else []
+        for k, i in enumerate(self.small):  # small parameters: this step's exact update
+            if math.isfinite(out["last_un"][k]):
+                out["unorm"][i] = out["last_un"][k]
         out["values"] = take(len(flat) - cursor)
         # Bitwise-unchanged since the start: exact for small parameters (their start
         # values are kept); for large ones an unchanged norm is necessary, and the
@@ -449,6 +469,12 @@ class StepMonitor:
         self._guarded("small-parameters", self._small_after)
         self._guarded("resets", self._reset_effects)
         if self._watched:
+            self._guarded("record", self._record)
+
+    def finish(self) -> None:
+        """Record the steps since the last watched step (watching ends): without this a
+        run of 59 steps watched every 20 would be judged on its first 40."""
+        if self.window:
             self._guarded("record", self._record)
 
     def skipped_by_scaler(self) -> None:
