@@ -69,7 +69,7 @@ def test_step_records_match_slow_reference(tmp_path, every: int) -> None:
     s = last["step"]
     window_start = records[-2]["step"] if len(records) > 1 else 0
     for pos, name in enumerate(names):
-        before, grads, after = record[s - 1]
+        before, _, after = record[s - 1]
         # param norm after the step, update norm of that step
         assert last["param_norm"][pos] == pytest.approx(after[name].norm().item(), rel=1e-6)
         assert last["update_norm"][pos] == pytest.approx(

@@ -150,7 +150,7 @@ def _outlier_report(values: list[float]) -> deadweight.Report:
         model,
         opt,
         20,
-        lambda s: (torch.cat([l.layer_scalar for l in model.layers]) * x).sum(),
+        lambda s: (torch.cat([layer.layer_scalar for layer in model.layers]) * x).sum(),
         every=5,
     )
 

@@ -97,7 +97,7 @@ def test_seed2_layer_outlier(seed2) -> None:
     values = [s.item() for s in setup.scalars]
     assert ev["value"] == pytest.approx(values[-1])
     assert ev["values"] == pytest.approx(
-        dict(zip([f"blocks.{i}.layer_scalar" for i in range(4)], values))
+        dict(zip([f"blocks.{i}.layer_scalar" for i in range(4)], values, strict=True))
     )
     assert 0 < ev["since_step"] <= DRIFT_STEPS
 
