@@ -10,6 +10,7 @@ from rich.console import Console
 from deadweight.check_model import check
 from deadweight.demos import fused_rmsnorm, layer_scalar_drift
 from deadweight.report.text import render
+from deadweight.watcher import watch
 
 HELP = "run the seed incidents and show what deadweight reports for them"
 
@@ -43,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     for diff, title in ((False, "RMSNorm.forward (fused)"), (True, "RMSNorm.forward_diff")):
         setup = fused_rmsnorm.make(diff)
         report = check(setup.model, setup.loss, setup.optimizer)
-        result = fused_rmsnorm.train(setup, steps=args.steps)
+        with watch(setup.model, setup.optimizer, every=10) as watched:
+            result = fused_rmsnorm.train(setup, steps=args.steps)
         console.print(f"[bold]{title}[/]")
         present = " ".join(f"{k} {str(v).lower()}" for k, v in result.grads_present.items())
         console.print(f"  grads present: {present}")
@@ -52,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"  w1 max |change| after {args.steps} steps: {result.max_change['w1']:.6g}")
         console.print(f"\n  deadweight.check at step 0, before training ({title}):")
         render(report, console)
+        console.print(f"\n  deadweight.watch during those {args.steps} steps ({title}):")
+        render(watched.report(), console)
         console.print()
 
     console.rule("[bold]Seed incident 2: a layer scalar that only pretends to learn")
@@ -65,4 +69,18 @@ def run(args: argparse.Namespace) -> int:
     render(story.report, console)
     for line in layer_scalar_drift.describe(story):
         console.print(line, highlight=False)
+
+    setup = layer_scalar_drift.make_watchable()
+    console.print(
+        f"6. deadweight.watch on a run with noise above Adam's eps, as in the incident (lr "
+        f"{layer_scalar_drift.WATCH_LR:g}, eps {layer_scalar_drift.WATCH_EPS:g}): "
+        f"{args.drift_steps} steps, an optimizer-state reset, 300 more steps"
+    )
+    with watch(setup.model, setup.optimizer, every=20) as watched:
+        layer_scalar_drift.train(setup, args.drift_steps, every=args.drift_steps)
+        setup.optimizer.state.clear()
+        layer_scalar_drift.train(setup, 300, every=300)
+    values = ", ".join(f"{s.item():.3f}" for s in setup.scalars)
+    console.print(f"   layer scalars at the end: {values}")
+    render(watched.report(), console)
     return 0

@@ -244,9 +244,9 @@ class _Bucket:
         pnorm = torch.stack(torch._foreach_norm(params)).double()
         copied = sorted(self.copies)
         if copied:
-            deltas = torch._foreach_sub(
-                [params[i] for i in copied], [self.copies[i] for i in copied]
-            )
+            # In place on the copies: no second buffer of the same size.
+            deltas = [self.copies[i] for i in copied]
+            torch._foreach_sub_(deltas, [params[i] for i in copied])
             unorm = torch.stack(torch._foreach_norm(deltas)).double()
         else:
             unorm = torch.zeros(0, dtype=torch.float64, device=self.device)

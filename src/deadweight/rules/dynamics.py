@@ -523,7 +523,7 @@ def layer_outlier(stats: WatchStats) -> Iterator[Finding]:
         ]
         index, z = _outlier(last_values) or found[1]
         outlier = tracks[index]
-        median = statistics.median(last_values)
+        median = statistics.median(v for k, v in enumerate(last_values) if k != index)
         kind = "value" if outlier.numel == 1 else "RMS"
         yield get_rule("DW307").finding(
             f"{outlier.name} has {kind} {last_values[index]:.4g} while its {len(tracks) - 1} "

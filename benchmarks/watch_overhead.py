@@ -1,0 +1,206 @@
+"""What `deadweight.watch` costs per training step, next to no monitoring and a peer.
+
+The model is transformers' GPT-2 code with a ~23M-parameter random config (no
+download), trained with AdamW on random tokens. One model and optimizer train
+throughout; the variants take turns in blocks of `--block` steps (none, watch at the
+default cadence, watch with full statistics every step, wandb.watch(log="all") in
+offline mode at the same cadence as watch's default), round after round, so machine
+noise hits all alike. Each figure is the median over rounds of block time / the
+adjacent unmonitored block's time. The first step of every block is left out of the
+timing (attaching watch measures that step in full), so a watch block times one
+watched step in `block - 1`, slightly more than the 1 in `every` of a long run.
+
+Memory: the bytes deadweight holds between steps (device accumulators, start norms
+and checksums, the small parameters' start values and per-step ring) and the most it
+allocates during a watched step (the round-robin copy), against the bytes of
+parameters + gradients + AdamW state.
+
+    python benchmarks/watch_overhead.py [--rounds 6] [--block 20] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import deadweight
+
+transformers.logging.set_verbosity_error()
+
+
+def build(
+    batch: int, seq: int
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    config = GPT2Config(
+        vocab_size=8192, n_positions=seq, n_embd=512, n_layer=6, n_head=8,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+
+    return model, opt, step
+
+
+@contextlib.contextmanager
+def no_monitor(model: Any, opt: Any) -> Iterator[None]:
+    yield
+
+
+def watch_variant(**kw: Any) -> Callable[[Any, Any], Any]:
+    @contextlib.contextmanager
+    def variant(model: Any, opt: Any) -> Iterator[None]:
+        with deadweight.watch(model, opt, **kw):
+            yield
+
+    return variant
+
+
+def wandb_variant(log_freq: int) -> Callable[[Any, Any], Any] | None:
+    try:
+        import wandb
+    except ImportError:
+        return None
+    os.environ.setdefault("WANDB_SILENT", "true")
+    directory = tempfile.mkdtemp(prefix="dw-bench-wandb-")
+    run = wandb.init(mode="offline", dir=directory, project="deadweight-bench")
+
+    @contextlib.contextmanager
+    def variant(model: Any, opt: Any) -> Iterator[None]:
+        wandb.watch(model, log="all", log_freq=log_freq)
+        try:
+            yield
+        finally:
+            wandb.unwatch(model)
+
+    variant.run = run  # type: ignore[attr-defined]
+    return variant
+
+
+def tensor_bytes(obj: Any) -> int:
+    total = 0
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, dict):
+            total += sum(
+                v.numel() * v.element_size() for v in value.values() if isinstance(v, torch.Tensor)
+            )
+    return total
+
+
+def memory(model: Any, opt: Any, step: Callable[[], None]) -> dict[str, float]:
+    base = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = sum(
+        v.numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
+    training = 2 * base + state  # params + grads + AdamW moments
+    held = transient = 0
+    with deadweight.watch(model, opt) as w:
+        for _ in range(2):
+            step()
+        for monitor in w._monitors.values():
+            for bucket in monitor.buckets:
+                held += tensor_bytes(bucket)
+            # The round-robin copy of one watched step (10% of the large parameters).
+            budget = int(
+                sum(p.numel() * p.element_size() for b in monitor.buckets for p in
+                    (b.params[i] for i in b.large)) * monitor.config.copy_fraction
+            )  # fmt: skip
+            biggest = max(p.numel() * p.element_size() for p in monitor.params)
+            transient = max(budget, biggest)
+    return {
+        "training_bytes": training,
+        "held": held / training,
+        "peak": (held + transient) / training,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--block", type=int, default=20, help="steps per variant per round")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--no-wandb", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, opt, step = build(args.batch, args.seq)
+    n_params = sum(p.numel() for p in model.parameters())
+    for _ in range(3):  # warm-up: allocator, AdamW state
+        step()
+    mem = memory(model, opt, step)
+
+    variants: dict[str, Callable[[Any, Any], Any]] = {
+        "watch (default: every=20)": watch_variant(every=args.block),
+        "watch full (every=1, full=True)": watch_variant(every=1, full=True),
+    }
+    peer = None if args.no_wandb else wandb_variant(log_freq=args.block)
+    if peer is not None:
+        variants[f'wandb.watch(log="all", log_freq={args.block})'] = peer
+    ratios: dict[str, list[float]] = {name: [] for name in variants}
+    base_times: list[float] = []
+
+    def block(context: Callable[[Any, Any], Any]) -> float:
+        with context(model, opt):
+            # The first step after attaching is watched in full (the baseline record);
+            # leave it out so the timed steps hold the steady-state share of watched
+            # steps (one in `block - 1` here, one in `every` in a long run).
+            step()
+            start = time.perf_counter()
+            for _ in range(args.block - 1):
+                step()
+            return time.perf_counter() - start
+
+    for _ in range(args.rounds):
+        for name, context in variants.items():
+            plain = block(no_monitor)
+            timed = block(context)
+            base_times.append(plain / (args.block - 1))
+            ratios[name].append(timed / plain)
+
+    print(
+        f"GPT-2 {n_params / 1e6:.1f}M parameters, AdamW, batch {args.batch}x{args.seq}, "
+        f"{args.threads} threads; {args.rounds} rounds of {args.block}-step blocks, "
+        f"each variant next to its own unmonitored block"
+    )
+    print(f"unmonitored step: median {statistics.median(base_times) * 1e3:.0f} ms")
+    for name, values in ratios.items():
+        med = statistics.median(values)
+        print(
+            f"{name:<40} {med:.4f}x  (+{(med - 1) * 100:.2f}%; rounds "
+            + ", ".join(f"{v:.3f}" for v in values)
+            + ")"
+        )
+    print(
+        f"memory: deadweight holds {mem['held'] * 100:.3f}% of params+grads+AdamW state "
+        f"({mem['training_bytes'] / 2**20:.0f} MiB) between steps, at most "
+        f"{mem['peak'] * 100:.2f}% during a watched step"
+    )
+    if peer is not None:
+        peer.run.finish()  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    main()
