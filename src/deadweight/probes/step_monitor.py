@@ -95,6 +95,11 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return (columns * weights).sum() + rest.sum()
 
 
+def _g7(value: float) -> float:
+    """Seven significant digits: plenty for a norm, and ~40% less log than `repr`."""
+    return float(f"{value:.7g}") if math.isfinite(value) else value
+
+
 def _host_float(value: Any) -> float | None:
     """A learning rate or step counter as a float, without a device sync."""
     if isinstance(value, torch.Tensor):
@@ -636,15 +641,15 @@ class StepMonitor:
             m = bucket.measure_after()
             for k, pos in enumerate(bucket.positions):
                 count = window_present[pos]
-                grad_rms[pos] = math.sqrt(m["gsq"][k] / count) if count else None
-                pnorm[pos] = m["pnorm"][k]
+                grad_rms[pos] = _g7(math.sqrt(m["gsq"][k] / count)) if count else None
+                pnorm[pos] = _g7(m["pnorm"][k])
                 moved[pos] = m["moved"][k]
                 if m["bad_grad"][k] >= 0:
                     self._nonfinite(pos, "grad", int(m["bad_grad"][k]))
                 if not math.isfinite(m["pnorm"][k]):
                     self._nonfinite(pos, "value", self.step)
             for k, u in m["unorm"].items():
-                unorm[bucket.positions[k]] = u
+                unorm[bucket.positions[k]] = _g7(u)
             for key in small_stats:
                 small_stats[key] += m[key]
             values += m["values"]
