@@ -1,0 +1,196 @@
+"""`DeadweightCallback` for Lightning: `deadweight.watch` over the LightningModule and
+the Trainer's optimizers for the length of `fit()`.
+
+    from deadweight.integrations.lightning import DeadweightCallback
+
+    dw = DeadweightCallback(every=20, log="run.jsonl")
+    Trainer(max_steps=10_000, callbacks=[dw]).fit(module, data)
+    dw.report                   # a deadweight.Report; also logged through `logging`
+
+The watch starts in `on_train_start` and closes in `on_train_end` or, when `fit()`
+raises or is interrupted, in `on_exception`: no hook outlives the run. Works with the
+`lightning` package and, when only that is installed, with `pytorch_lightning`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from deadweight.integrations._session import WatchSession, exit_reason, torch_optimizer
+from deadweight.integrations.forward import MAX_PARAMS
+from deadweight.report import Report
+from deadweight.watcher import Watch
+
+logger = logging.getLogger(__name__)
+
+FORWARD_CHOICES = ("auto", "none", "tensorboard", "wandb")
+
+
+def _import_lightning() -> tuple[ModuleType, ModuleType]:
+    try:
+        return (
+            importlib.import_module("lightning.pytorch"),
+            importlib.import_module("lightning.pytorch.loggers"),
+        )
+    except ImportError:
+        return (
+            importlib.import_module("pytorch_lightning"),
+            importlib.import_module("pytorch_lightning.loggers"),
+        )
+
+
+pl, pl_loggers = _import_lightning()
+
+
+class DeadweightCallback(pl.Callback):  # type: ignore[name-defined]
+    """Watch a Lightning `fit()` for parameters that never learn or only pretend to.
+
+    every: fuller statistics every `every` optimizer steps (see `deadweight.watch`).
+    log: write the JSONL event log here (`deadweight report` reads it); with several
+        processes each writes its own, `run.rank<N>.jsonl`.
+    full: exact update norms of every large parameter on watched steps (costs a copy).
+    forward: where the watch's scalars and findings go. "auto": the Trainer's
+        TensorBoardLogger and/or WandbLogger, if it has one, else nowhere;
+        "tensorboard" / "wandb": only that one; "none"; or a SummaryWriter-like object
+        (`add_scalar`) or a W&B run (`log`) of your own. Only global rank 0 forwards.
+    max_forwarded: per-parameter scalars are forwarded for at most this many parameters.
+    """
+
+    def __init__(
+        self,
+        *,
+        every: int = 20,
+        log: str | os.PathLike[str] | None = None,
+        full: bool = False,
+        forward: Any = "auto",
+        max_forwarded: int = MAX_PARAMS,
+    ) -> None:
+        super().__init__()
+        if isinstance(forward, str) and forward not in FORWARD_CHOICES:
+            raise ValueError(
+                f"forward must be one of {', '.join(FORWARD_CHOICES)} or a writer/run, "
+                f"got {forward!r}"
+            )
+        self.forward = forward
+        self._session = WatchSession(
+            logger, every=every, log=log, full=full, max_forwarded=max_forwarded
+        )
+        self._closure_hooks: list[RemovableHandle] = []
+
+    @property
+    def watch(self) -> Watch | None:
+        """The running (or last) watch; `watch.close()` is safe to call twice."""
+        return self._session.watch
+
+    @property
+    def report(self) -> Report | None:
+        """The report of the last run, once it has ended (None before)."""
+        return self._session.report
+
+    def close(self, reason: str = "closed") -> Report | None:
+        """Remove every hook now and return the report (idempotent)."""
+        for handle in self._closure_hooks:
+            handle.remove()
+        self._closure_hooks.clear()
+        return self._session.close(reason)
+
+    # -- Lightning events ----------------------------------------------------------------
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._session.open:
+            self.close("not closed: the previous fit() ended without on_train_end")
+        optimizers = [o for o in (torch_optimizer(opt) for opt in trainer.optimizers) if o]
+        # Before the watch's own hooks, so they see this step's gradients (see below).
+        self._closure_hooks = [o.register_step_pre_hook(_closure_first) for o in optimizers]
+        plugin = getattr(trainer, "precision_plugin", None)
+        started = self._session.start(
+            [pl_module],
+            optimizers or list(trainer.optimizers),
+            # The 16-mixed precision plugin's GradScaler: its skipped steps are counted.
+            scaler=getattr(plugin, "scaler", None),
+            targets=self._targets(trainer),
+            step_offset=int(trainer.global_step),
+            rank=int(trainer.global_rank),
+            world_size=int(trainer.world_size),
+        )
+        if started is None:
+            self.close()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.close(exit_reason(exception))
+
+    # -- wiring --------------------------------------------------------------------------
+
+    def _targets(self, trainer: Any) -> list[Any]:
+        if self.forward == "none" or not trainer.is_global_zero:
+            return []
+        if not isinstance(self.forward, str):
+            return [self.forward]
+        targets: list[Any] = []
+        for lg in trainer.loggers:
+            if self.forward in ("auto", "tensorboard") and isinstance(
+                lg, pl_loggers.TensorBoardLogger
+            ):
+                targets.append(lg.experiment)  # its SummaryWriter
+            elif self.forward in ("auto", "wandb") and isinstance(lg, pl_loggers.WandbLogger):
+                targets.append(lg.experiment)  # its wandb run
+        if not targets and self.forward != "auto":
+            logger.warning(
+                "deadweight: forward=%r but the Trainer has no %s logger; not forwarding",
+                self.forward,
+                self.forward,
+            )
+        return targets
+
+
+def _closure_first(
+    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Run the step's closure before the other step pre-hooks, and hand the step its result.
+
+    Lightning calls `optimizer.step(closure=...)` with a closure that runs
+    training_step, zero_grad and backward (and gradient clipping). The optimizer calls
+    it inside `step`, after the step pre-hooks, so deadweight's pre-hook would see the
+    previous step's gradients, or none at all on the first step. Calling the closure
+    here first is what the optimizer would do anyway: its first act is `closure()`
+    under `enable_grad`, on the parameters as they are now. An optimizer that calls
+    the closure again (LBFGS) gets the real one from the second call on.
+    """
+    if "closure" in kwargs:
+        closure = kwargs["closure"]
+    elif len(args) > 1:  # args[0] is the optimizer itself
+        closure = args[1]
+    else:
+        return None
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        result = closure()
+    replay = _replay(closure, result)
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": replay}
+    return (args[0], replay, *args[2:]), kwargs
+
+
+def _replay(closure: Callable[[], Any], result: Any) -> Callable[[], Any]:
+    used = False
+
+    def replay() -> Any:
+        nonlocal used
+        if used:
+            return closure()
+        used = True
+        return result
+
+    return replay
