@@ -70,17 +70,17 @@ def run(args: argparse.Namespace) -> int:
     for line in layer_scalar_drift.describe(story):
         console.print(line, highlight=False)
 
-    setup = layer_scalar_drift.make_watchable()
+    drifting = layer_scalar_drift.make_watchable()
     console.print(
         f"6. deadweight.watch on a run with noise above Adam's eps, as in the incident (lr "
         f"{layer_scalar_drift.WATCH_LR:g}, eps {layer_scalar_drift.WATCH_EPS:g}): "
         f"{args.drift_steps} steps, an optimizer-state reset, 300 more steps"
     )
-    with watch(setup.model, setup.optimizer, every=20) as watched:
+    with watch(drifting.model, drifting.optimizer, every=20) as watched:
         layer_scalar_drift.train(setup, args.drift_steps, every=args.drift_steps)
-        setup.optimizer.state.clear()
+        drifting.optimizer.state.clear()
         layer_scalar_drift.train(setup, 300, every=300)
-    values = ", ".join(f"{s.item():.3f}" for s in setup.scalars)
+    values = ", ".join(f"{s.item():.3f}" for s in drifting.scalars)
     console.print(f"   layer scalars at the end: {values}")
     render(watched.report(), console)
     return 0
