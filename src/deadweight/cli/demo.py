@@ -77,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
         f"{args.drift_steps} steps, an optimizer-state reset, 300 more steps"
     )
     with watch(drifting.model, drifting.optimizer, every=20) as watched:
-        layer_scalar_drift.train(setup, args.drift_steps, every=args.drift_steps)
+        layer_scalar_drift.train(drifting, args.drift_steps, every=args.drift_steps)
         drifting.optimizer.state.clear()
-        layer_scalar_drift.train(setup, 300, every=300)
+        layer_scalar_drift.train(drifting, 300, every=300)
     values = ", ".join(f"{s.item():.3f}" for s in drifting.scalars)
     console.print(f"   layer scalars at the end: {values}")
     render(watched.report(), console)
