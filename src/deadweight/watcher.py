@@ -14,9 +14,12 @@ optimizer hooks that pick up every optimizer a script creates.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import sys
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -62,6 +65,9 @@ class Watch:
         argv: list[str] | None = None,
         lazy_log: bool = False,
     ) -> None:
+        if scaler is not None and not callable(getattr(scaler, "step", None)):
+            # Checked before anything is installed, so the error leaves no hook behind.
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.config = config
         self.models = list(models)
         self.stats = WatchStats()
@@ -76,6 +82,8 @@ class Watch:
         self._handles: list[RemovableHandle] = []
         self._restore: list[Any] = []
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        # Optimizers whose monitor could not be built: left unwatched, not retried.
+        self._unwatched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._closed = False
         self._names: dict[int, str] = owners.parameter_names(self.models)
         self._emit(start_event(config.to_dict(), argv))
@@ -102,9 +110,13 @@ class Watch:
         """Watch one more optimizer (its parameters are named from the watched models)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if id(optimizer) in self._monitors:
+        if self._closed:  # its hooks would never be removed
+            raise RuntimeError("this watch is closed; start a new one with deadweight.watch()")
+        if id(optimizer) in self._monitors or optimizer in self._unwatched:
             return
-        monitor = self._monitor(optimizer, passengers)
+        monitor = self._monitor_or_none(optimizer, passengers)
+        if monitor is None:
+            return
         self._handles.append(optimizer.register_step_pre_hook(self._pre_hook(monitor)))
         self._handles.append(optimizer.register_step_post_hook(self._post_hook(monitor)))
 
@@ -129,6 +141,27 @@ class Watch:
         monitor = StepMonitor(index, optimizer, name_of, self._emit, self.config, passengers)
         self._monitors[id(optimizer)] = monitor
         return monitor
+
+    def _monitor_or_none(
+        self, optimizer: torch.optim.Optimizer, passengers: Sequence[tuple[str, torch.Tensor]] = ()
+    ) -> StepMonitor | None:
+        """The optimizer's monitor, or None (and an error event) when building it fails:
+        a deadweight bug, such as a dtype it cannot fingerprint, must not stop training."""
+        try:
+            return self._monitor(optimizer, passengers)
+        except Exception as exc:
+            self._unwatched.add(optimizer)
+            self._emit(
+                {
+                    "event": "error",
+                    "optimizer": None,
+                    "step": self.stats.steps,
+                    "detector": "setup",
+                    "message": f"{type(optimizer).__name__} left unwatched: "
+                    f"{type(exc).__name__}: {exc}",
+                }
+            )
+            return None
 
     @staticmethod
     def _pre_hook(monitor: StepMonitor) -> Any:
@@ -186,37 +219,39 @@ class Watch:
             for event in pending:
                 self._writer.write(event)
         except OSError as exc:
-            self.stats.errors.append({"detector": "log", "message": f"{type(exc).__name__}: {exc}"})
+            self._error("log", exc)
             self._writer = None
+
+    def _error(self, detector: str, exc: Exception) -> None:
+        """An error that cannot go through `_emit` (the log or a listener failed)."""
+        self.stats.errors.append(
+            {
+                "optimizer": None,
+                "step": self.stats.steps,
+                "detector": detector,
+                "message": f"{type(exc).__name__}: {exc}",
+            }
+        )
 
     def _emit(self, event: dict[str, Any]) -> None:
         try:
             self.stats.apply(event)
         except Exception as exc:
-            self.stats.errors.append(
-                {"detector": "statistics", "message": f"{type(exc).__name__}: {exc}"}
-            )
+            self._error("statistics", exc)
         if self._pending is not None:
             self._pending.append(event)
         elif self._writer is not None:
             try:
                 self._writer.write(event)
             except Exception as exc:  # a full disk must not stop training either
-                self.stats.errors.append(
-                    {"detector": "log", "message": f"{type(exc).__name__}: {exc}"}
-                )
+                self._error("log", exc)
                 self._writer = None
         for listener in list(self._listeners):
             try:
                 listener(event)
             except Exception as exc:
                 self._listeners.remove(listener)
-                self.stats.errors.append(
-                    {
-                        "detector": f"listener {listener!r}",
-                        "message": f"{type(exc).__name__}: {exc}",
-                    }
-                )
+                self._error(f"listener {listener!r}", exc)
 
     # -- results ---------------------------------------------------------------------------
 
@@ -240,9 +275,13 @@ class Watch:
             with contextlib.suppress(Exception):
                 restore()
         self._restore.clear()
+        for monitor in self._monitors.values():
+            with contextlib.suppress(Exception):
+                monitor.finish()
         self._emit({"event": "end", "reason": reason, "steps": self.stats.steps})
         if self._writer is not None:
-            self._writer.close()
+            with contextlib.suppress(Exception):  # a failing flush must not end the script
+                self._writer.close()
 
     def __enter__(self) -> Watch:
         return self
@@ -279,7 +318,11 @@ class GlobalWatch(Watch):
         with contextlib.suppress(Exception):
             monitor = self._monitors.get(id(optimizer))
             if monitor is None:
+                if optimizer in self._unwatched:
+                    return
                 monitor = self._discover(optimizer)
+                if monitor is None:
+                    return
             monitor.before_step()
 
     def _global_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -288,13 +331,24 @@ class GlobalWatch(Watch):
             if monitor is not None:
                 monitor.after_step()
 
-    def _discover(self, optimizer: torch.optim.Optimizer) -> StepMonitor:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        models = owners.owning_models(params)
-        for name_id, name in owners.parameter_names(models).items():
-            self._names.setdefault(name_id, name)
+    def _discover(self, optimizer: torch.optim.Optimizer) -> StepMonitor | None:
         self._open_log()
-        return self._monitor(optimizer)
+        try:
+            # Name from every model that a live optimizer trains, not only this one's: a
+            # GAN's generator and discriminator both have a `net.0.weight`, and the names
+            # must differ (by class prefix) from the first step, before the other steps.
+            params = [
+                p
+                for opt in _live_optimizers(optimizer)
+                for g in opt.param_groups
+                for p in g["params"]
+            ]
+            models = owners.owning_models(params)
+            for name_id, name in owners.parameter_names(models).items():
+                self._names.setdefault(name_id, name)
+        except Exception as exc:  # unnamed parameters are still watched
+            self._error("names", exc)
+        return self._monitor_or_none(optimizer)
 
     def _patch_grad_scaler(self) -> None:
         try:
@@ -320,6 +374,19 @@ class GlobalWatch(Watch):
             GradScaler.step = original  # type: ignore[method-assign]
 
         self._restore.append(restore)
+
+
+def _live_optimizers(first: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    found = [first]
+    with warnings.catch_warnings():  # isinstance() touches deprecated module proxies
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.optim.Optimizer) and obj is not first:
+                    found.append(obj)
+            except Exception:  # lazy proxies can raise on __class__
+                continue
+    return found
 
 
 def report_from_stats(

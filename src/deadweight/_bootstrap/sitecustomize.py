@@ -21,6 +21,16 @@ def _chain() -> None:
             return
 
 
+# The shadowed sitecustomize first: it may set up the environment (threads, devices)
+# that must be in place before deadweight imports torch. Python itself reports a
+# failing sitecustomize this way and goes on.
+try:
+    _chain()
+except Exception as exc:
+    print(
+        f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}",
+        file=sys.stderr,
+    )
 if os.environ.get("DEADWEIGHT_RUN_LOG"):
     try:
         from deadweight.zero_code import start
@@ -28,4 +38,3 @@ if os.environ.get("DEADWEIGHT_RUN_LOG"):
         start()
     except Exception as exc:  # never stop the user's script
         print(f"deadweight: could not start watching: {type(exc).__name__}: {exc}", file=sys.stderr)
-_chain()

@@ -3,12 +3,14 @@
 The command runs in a child process whose interpreter starts deadweight's global
 optimizer hooks before the script's first line (see `deadweight.zero_code`). When
 it ends, however it ends (exit, exception, Ctrl-C, kill), the report is rebuilt
-from the event log and printed, and the script's own exit code is returned.
+from the event log and printed, and the script's own exit code is returned. A
+SIGTERM sent to deadweight is passed on to the script at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,6 +23,7 @@ import deadweight
 from deadweight.cli._common import add_report_options, emit
 from deadweight.cli.report import report_from_log
 from deadweight.errors import InputError
+from deadweight.registry import Selection
 from deadweight.zero_code import ENV_EVERY, ENV_FULL, ENV_LOG
 
 HELP = "run a training script with every optimizer it creates watched"
@@ -56,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("no command given: deadweight run [OPTIONS] -- python train.py ARGS")
     if args.every < 1:
         raise InputError(f"--every must be at least 1, got {args.every}")
+    try:  # a typo in --select must not cost a whole training run first
+        Selection.of(args.select, args.ignore)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     log = os.path.abspath(args.log)
     if os.path.exists(log):
         os.remove(log)  # a stale log from an earlier run must not be reported as this one
@@ -77,7 +84,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return code
-    report = report_from_log(log, args.select, args.ignore)
+    try:
+        report = report_from_log(log, args.select, args.ignore)
+    except Exception as exc:  # an empty log (killed at once) or a deadweight bug
+        print(f"deadweight: no report: {exc}", file=sys.stderr)
+        return code
+    for problem in report.subject.get("problems", []):
+        print(f"deadweight: note: {problem}", file=sys.stderr)
     failed = emit(report, args)
     print(f"deadweight: event log {log}", file=sys.stderr)
     return code if code != 0 else failed
@@ -89,7 +102,14 @@ def _wait(child: subprocess.Popen[bytes]) -> int:
     def on_sigint(signum: int, frame: FrameType | None) -> None:
         interrupted_at.append(time.monotonic())
 
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        # A scheduler or `kill` that stops deadweight alone must not leave the script
+        # running without it: pass it on, then report once the script has ended.
+        with contextlib.suppress(OSError):
+            child.send_signal(signal.SIGTERM)
+
     previous = signal.signal(signal.SIGINT, on_sigint)
+    previous_term = signal.signal(signal.SIGTERM, on_sigterm)
     forwarded = False
     try:
         while True:
@@ -106,5 +126,6 @@ def _wait(child: subprocess.Popen[bytes]) -> int:
                     forwarded = True
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
     # Like a shell: a script killed by signal N exits with 128 + N.
     return 128 - code if code < 0 else code

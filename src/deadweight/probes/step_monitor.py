@@ -33,6 +33,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 Emit = Callable[[dict[str, Any]], None]
+# (found_inf, grad_scale) that a GradScaler sets on a fused optimizer for its step().
+AmpStep = tuple[torch.Tensor, "torch.Tensor | None"]
 
 # Parameters with more elements than this are "large": they get norms, not exact
 # update statistics. Layer scalars, norm gains and biases of models up to ~4k width fit.
@@ -187,12 +189,26 @@ class _Bucket:
 
     # -- every step -------------------------------------------------------------------
 
+    def amp_weights(self, amp: AmpStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the step went through, 1 / scale) on this bucket's device, for a fused step."""
+        if amp is None:
+            return None
+        found_inf, scale = amp
+        ok = found_inf.to(self.device).reshape(-1)[0] == 0
+        inv = torch.ones((), dtype=torch.float64, device=self.device)
+        if scale is not None:
+            inv = inv / scale.to(self.device, torch.float64).reshape(-1)[0]
+        return ok, inv
+
     @torch.no_grad()
-    def grads_before(self, step: int, present: list[int]) -> None:
+    def grads_before(self, step: int, present: list[int], amp: AmpStep | None = None) -> None:
         if not present:
             return
         grads = [self.params[i].grad for i in present]
         norms = torch.stack(torch._foreach_norm(grads)).double()  # type: ignore[arg-type]
+        weights = self.amp_weights(amp)
+        if weights is not None:  # the scaler's own inf/NaN are not the model's
+            norms = torch.where(weights[0], norms * weights[1], 0.0)
         index = self._index(tuple(present))
         self.gsq.index_add_(0, index, norms * norms)
         seen = self.bad_grad.index_select(0, index)
@@ -200,7 +216,7 @@ class _Bucket:
         self.bad_grad.index_copy_(0, index, first)
 
     @torch.no_grad()
-    def small_before(self) -> None:
+    def small_before(self, amp: AmpStep | None = None) -> None:
         if not self.small:
             return
         pre = self._cat_small()
@@ -213,6 +229,9 @@ class _Bucket:
                 else torch.zeros(self.params[i].numel(), device=self.device)
             )
         gcat = torch.cat(grads).double()
+        weights = self.amp_weights(amp)
+        if weights is not None:  # a skipped step then has no gradient, so no "lost" update
+            gcat = torch.where(weights[0], gcat * weights[1], 0.0)
         self.sens += self._segsum(gcat * pre).abs()
         self.gn_small = self._segsum(gcat * gcat).sqrt()
         self.gsum += self.gn_small
@@ -394,6 +413,11 @@ class StepMonitor:
         ]
         self._present: list[int] = []
         self._watched = False
+        self._amp: AmpStep | None = None
+        # Steps a fused optimizer skipped for a GradScaler, counted on the device and
+        # read at watched steps (no sync per step); how many were reported already.
+        self.fused_skips: torch.Tensor | None = None
+        self.fused_skips_reported = 0
         emit(self.describe())
 
     # -- the event that introduces this optimizer ----------------------------------------
@@ -462,6 +486,8 @@ class StepMonitor:
         self._watched = (
             self.step == 1 or self.step % cfg.every == 0 or self.step <= self.burst_until
         )
+        self._amp = self._guarded("amp", self._amp_step)
+        self._guarded("scaler", self._count_fused_skip)
         self._guarded("gradients", self._gradients)
         self._guarded("learning-rate", self._learning_rates)
         self._guarded("resets", self._resets)
@@ -474,12 +500,14 @@ class StepMonitor:
         self._guarded("small-parameters", self._small_after)
         self._guarded("resets", self._reset_effects)
         if self._watched:
+            self._guarded("scaler", self._report_fused_skips)
             self._guarded("record", self._record)
 
     def finish(self) -> None:
         """Record the steps since the last watched step (watching ends): without this a
         run of 59 steps watched every 20 would be judged on its first 40."""
         if self.window:
+            self._guarded("scaler", self._report_fused_skips)
             self._guarded("record", self._record)
 
     def skipped_by_scaler(self) -> None:
@@ -487,6 +515,38 @@ class StepMonitor:
         self._guarded("scaler", self._scaler_skip)
 
     # -- detectors -----------------------------------------------------------------------
+
+    def _amp_step(self) -> AmpStep | None:
+        """A GradScaler steps a fused optimizer (`_step_supports_amp_scaling`) with the
+        gradients still scaled, and even when they hold inf/NaN: the kernel unscales and
+        skips by itself, told through these two attributes."""
+        found_inf = getattr(self.optimizer, "found_inf", None)
+        if not isinstance(found_inf, torch.Tensor):
+            return None
+        scale = getattr(self.optimizer, "grad_scale", None)
+        return found_inf, scale if isinstance(scale, torch.Tensor) else None
+
+    def _count_fused_skip(self) -> None:
+        if self._amp is None:
+            return
+        skipped = (self._amp[0].detach().reshape(-1)[0] != 0).to(torch.int64)
+        self.fused_skips = skipped if self.fused_skips is None else self.fused_skips + skipped
+
+    def _report_fused_skips(self) -> None:
+        if self.fused_skips is None:
+            return
+        count = int(self.fused_skips)  # a sync, on watched steps of fused+GradScaler runs only
+        for _ in range(count - self.fused_skips_reported):
+            self.emit(
+                {
+                    "event": "skip",
+                    "optimizer": self.index,
+                    "step": self.step,
+                    "cause": "GradScaler found inf/NaN gradients and the fused optimizer "
+                    "skipped its update (counted at this watched step)",
+                }
+            )
+        self.fused_skips_reported = count
 
     def _gradients(self) -> None:
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
@@ -496,7 +556,7 @@ class StepMonitor:
             self.present_window[i] += 1
         for bucket in self.buckets:
             local = {pos: k for k, pos in enumerate(bucket.positions)}
-            bucket.grads_before(self.step, [local[i] for i in present if i in local])
+            bucket.grads_before(self.step, [local[i] for i in present if i in local], self._amp)
 
     def _learning_rates(self) -> None:
         zero_groups = set()
@@ -588,7 +648,7 @@ class StepMonitor:
 
     def _small_before(self) -> None:
         for bucket in self.buckets:
-            bucket.small_before()
+            bucket.small_before(self._amp)
 
     def _small_after(self) -> None:
         for bucket in self.buckets:

@@ -1,0 +1,207 @@
+"""`deadweight report LOG.jsonl`: logs of killed runs, cut-off lines, empty and newer logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import deadweight
+from deadweight.cli import main
+from deadweight.demos import fused_rmsnorm
+from deadweight.probes.event_log import LOG_SCHEMA_VERSION, read_log
+
+TIMEOUT = 300  # generous: shared CI machines
+WIDE = {"COLUMNS": "200"}  # rich wraps at 80 columns without a terminal
+
+TRAIN_FOREVER = """
+import sys
+import deadweight
+from deadweight.demos import fused_rmsnorm as f
+
+s = f.make(False, seed=1)
+with deadweight.watch(s.model, s.optimizer, log=sys.argv[1], every=5):
+    while True:
+        s.optimizer.zero_grad(set_to_none=True)
+        s.loss().backward()
+        s.optimizer.step()
+"""
+
+
+def step_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [e for e in read_log(path).events if e["event"] == "step"]
+
+
+def wait_for_steps(path: Path, proc: subprocess.Popen, count: int) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while len(step_events(path)) < count:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the script wrote no step events"
+        time.sleep(0.05)
+
+
+def dw(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deadweight", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, **WIDE},
+    )
+
+
+def test_log_of_a_killed_run_is_reported_up_to_its_last_record(tmp_path):
+    script, log = tmp_path / "train.py", tmp_path / "run.jsonl"
+    script.write_text(TRAIN_FOREVER)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_for_steps(log, proc, 12)  # step 55: past DW301's 50 steps
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == -signal.SIGKILL
+    contents = read_log(log)
+    assert not [e for e in contents.events if e["event"] == "end"]
+    last = step_events(log)[-1]["step"]
+    assert last >= 55
+
+    result = dw("report", str(log))
+    assert result.returncode in (0, 1), result.stderr  # findings or none, never an error
+    header = result.stdout.splitlines()[0]
+    assert f"· {last} steps ·" in header
+    assert "log ends without an end record" in header
+    # The seed's parameters never moved in those steps: the killed run still tells.
+    assert result.returncode == 1
+    assert "DW301" in result.stdout and "l1.weight" in result.stdout
+    if contents.truncated:  # the kill landed in the middle of a write
+        assert "cut off" in result.stderr
+
+    as_json = json.loads(dw("report", str(log), "--format", "json").stdout)
+    assert as_json["subject"]["steps"] == last
+    assert as_json["subject"]["complete"] is False
+
+
+@pytest.fixture(scope="module")
+def complete_log(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The text of the log of a finished watched run (seed 1, 60 steps, every 10)."""
+    path = tmp_path_factory.mktemp("log") / "run.jsonl"
+    setup = fused_rmsnorm.make(False, seed=1)
+    with deadweight.watch(setup.model, setup.optimizer, log=path, every=10):
+        fused_rmsnorm.train(setup, 60)
+    return path.read_text()
+
+
+def report(capsys: pytest.CaptureFixture[str], path: Path, *args: str) -> tuple[int, str, str]:
+    code = main(["report", str(path), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(autouse=True)
+def _wide(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in WIDE.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_complete_log(capsys, tmp_path, complete_log):
+    path = tmp_path / "run.jsonl"
+    path.write_text(complete_log)
+    code, out, err = report(capsys, path)
+    assert code == 1
+    assert out.splitlines()[0].startswith("deadweight watch · 60 steps · optimizers SGD#0")
+    assert "without an end record" not in out
+    assert "DW301" in out and "l1.weight" in out and "norm.weight" in out
+    assert err == ""
+    assert report(capsys, path, "--fail-on", "never")[0] == 0
+
+
+def test_cut_off_last_line_is_read_with_a_note(capsys, tmp_path, complete_log):
+    lines = complete_log.splitlines(keepends=True)
+    steps = [i for i, line in enumerate(lines) if '"event":"step"' in line]
+    # Killed while writing the last step record: it is half there, no end record.
+    cut = "".join(lines[: steps[-1]]) + lines[steps[-1]][: len(lines[steps[-1]]) // 2]
+    path = tmp_path / "cut.jsonl"
+    path.write_text(cut)
+    code, out, err = report(capsys, path)
+    assert code == 1
+    assert f"line {steps[-1] + 1} is cut off" in err
+    assert "deadweight: note:" in err
+    previous = json.loads(lines[steps[-2]])["step"]
+    assert f"· {previous} steps ·" in out.splitlines()[0]
+    assert "log ends without an end record" in out
+
+
+def test_a_bad_line_in_the_middle_is_skipped_with_a_note(capsys, tmp_path, complete_log):
+    lines = complete_log.splitlines(keepends=True)
+    lines.insert(3, "{not json\n")
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(lines))
+    code, out, err = report(capsys, path)
+    assert code == 1 and "line 4 is not valid JSON" in err
+    assert "· 60 steps ·" in out.splitlines()[0]
+
+
+def test_empty_log_is_an_error(capsys, tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    code, out, err = report(capsys, path)
+    assert code == 2
+    assert f"{path} holds no watch events" in err
+    assert out == ""
+
+
+def test_missing_log_is_an_error(capsys, tmp_path):
+    code, _, err = report(capsys, tmp_path / "nope.jsonl")
+    assert code == 2 and "no such file" in err
+
+
+def _bump_schema(text: str, version: int) -> list[dict]:
+    events = [json.loads(line) for line in text.splitlines()]
+    assert events[0]["event"] == "start"
+    events[0]["schema_version"] = version
+    return events
+
+
+def test_newer_schema_is_read_with_a_clear_note(capsys, tmp_path, complete_log):
+    newer = LOG_SCHEMA_VERSION + 1
+    path = tmp_path / "newer.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in _bump_schema(complete_log, newer)))
+    code, out, err = report(capsys, path)
+    assert code == 1 and "DW301" in out
+    assert f"log schema version {newer} is newer than this deadweight reads" in err
+    assert "upgrade deadweight" in err
+
+
+def test_newer_schema_with_a_changed_layout_is_not_a_crash(capsys, tmp_path, complete_log):
+    newer = LOG_SCHEMA_VERSION + 1
+    events = _bump_schema(complete_log, newer)
+    for event in events:
+        if event["event"] == "step":
+            event["moved_v2"] = event.pop("moved")  # a layout this version cannot read
+    events.insert(2, {"event": "from_the_future", "x": 1})  # unknown kinds are ignored
+    path = tmp_path / "newer.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    code, _, err = report(capsys, path)
+    assert code in (0, 1)
+    assert "upgrade deadweight" in err
+    assert "'step' event(s) could not be read (KeyError: 'moved'); skipped" in err
+    assert "Traceback" not in err
+
+
+def test_several_runs_in_one_log_report_the_last(capsys, tmp_path, complete_log):
+    path = tmp_path / "two.jsonl"
+    path.write_text(complete_log + complete_log)
+    code, _, err = report(capsys, path)
+    assert code == 1 and "holds 2 runs; reporting the last one" in err

@@ -1,0 +1,298 @@
+"""`deadweight run -- python script.py`, end to end in subprocesses."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from deadweight.probes.event_log import read_log
+
+TIMEOUT = 300  # generous: shared CI machines
+ENV = {**os.environ, "COLUMNS": "200"}  # rich wraps at 80 columns without a terminal
+
+SEED = """
+import sys
+from deadweight.demos import fused_rmsnorm as f
+
+s = f.make(False)
+f.train(s, 100)
+sys.exit(3)
+"""
+
+RAISES = """
+from deadweight.demos import fused_rmsnorm as f
+
+s = f.make(False)
+f.train(s, 12)
+raise ValueError("bad batch 42")
+"""
+
+FOREVER = """
+from deadweight.demos import fused_rmsnorm as f
+
+s = f.make(False)
+while True:
+    s.optimizer.zero_grad(set_to_none=True)
+    s.loss().backward()
+    s.optimizer.step()
+"""
+
+GAN = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Generator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def forward(self, z):
+        return self.net(z)
+
+
+class Discriminator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+torch.manual_seed(0)
+G, D = Generator(), Discriminator()
+opt_g = torch.optim.Adam(G.parameters(), lr=1e-3)
+opt_d = torch.optim.Adam(D.parameters(), lr=1e-3)
+ones, zeros = torch.ones(16, 1), torch.zeros(16, 1)
+bce = F.binary_cross_entropy_with_logits
+for step in range(10):
+    real, z = torch.randn(16, 4) + 2, torch.randn(16, 4)
+    opt_d.zero_grad()
+    (bce(D(real), ones) + bce(D(G(z).detach()), zeros)).backward()
+    opt_d.step()
+    opt_g.zero_grad()
+    bce(D(G(z)), ones).backward()
+    opt_g.step()
+"""
+
+NO_OPTIMIZER = """
+import sys
+print("just data prep")
+sys.exit(4)
+"""
+
+
+def dw_run(tmp_path: Path, script: str, *options: str, **kwargs) -> subprocess.CompletedProcess:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(script))
+    log = tmp_path / "run.jsonl"
+    python = [sys.executable, str(path)]
+    return subprocess.run(
+        [sys.executable, "-m", "deadweight", "run", "--log", str(log), *options, "--", *python],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=tmp_path,
+        **{"env": ENV, **kwargs},
+    )
+
+
+def events(tmp_path: Path, kind: str) -> list[dict]:
+    return [e for e in read_log(tmp_path / "run.jsonl").events if e["event"] == kind]
+
+
+def test_seed_incident_is_reported_and_the_exit_code_kept(tmp_path):
+    result = dw_run(tmp_path, SEED, "--every", "10")
+    assert result.returncode == 3, result.stderr
+    assert "DW301" in result.stdout
+    finding = next(line for line in result.stdout.splitlines() if "bitwise unchanged" in line)
+    assert "l1.weight, norm.weight" in finding
+    assert "100 steps" in result.stdout.splitlines()[0]
+    assert events(tmp_path, "end")[0]["reason"] == "exited"
+    assert f"deadweight: event log {tmp_path / 'run.jsonl'}" in result.stderr
+
+
+def test_a_script_that_raises_shows_its_traceback_and_the_report(tmp_path):
+    result = dw_run(tmp_path, RAISES, "--every", "5")
+    assert result.returncode == 1
+    assert "Traceback (most recent call last)" in result.stderr
+    assert 'raise ValueError("bad batch 42")' in result.stderr
+    header = result.stdout.splitlines()[0]
+    assert header.startswith("deadweight watch · 12 steps")
+    assert "run raised ValueError: bad batch 42" in header
+    assert events(tmp_path, "end")[0]["reason"] == "raised ValueError: bad batch 42"
+
+
+def _start_forever(tmp_path: Path) -> subprocess.Popen:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(FOREVER))
+    log = tmp_path / "run.jsonl"
+    command = ["deadweight", "run", "--every", "5", "--log", str(log), "--", sys.executable]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *command, str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=ENV,
+        start_new_session=True,  # a process group of its own, as a terminal job would be
+    )
+    deadline = time.monotonic() + TIMEOUT
+    while not (log.exists() and '"event":"step"' in log.read_text()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no step event"
+        time.sleep(0.05)
+    return proc
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Whatever happened, leave no script running (it is in deadweight's new session)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.communicate()
+
+
+@pytest.mark.parametrize("target", ["deadweight-only", "process-group"])
+def test_ctrl_c_interrupts_the_script_and_reports(tmp_path, target):
+    proc = _start_forever(tmp_path)
+    try:
+        sent = time.monotonic()
+        if target == "deadweight-only":
+            proc.send_signal(signal.SIGINT)
+        else:  # Ctrl-C at a terminal: every process of the foreground group gets it
+            os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=TIMEOUT)
+        took = time.monotonic() - sent
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 130, err
+    assert "KeyboardInterrupt" in err
+    assert "run interrupted" in out.splitlines()[0], out
+    end = events(tmp_path, "end")
+    assert len(end) == 1 and end[0]["reason"] == "interrupted"
+    if target == "deadweight-only":
+        assert took >= 1.0  # forwarded to the script after FORWARD_SIGINT_AFTER
+
+
+@pytest.fixture(scope="module")
+def gan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    tmp_path = tmp_path_factory.mktemp("gan")
+    return tmp_path, dw_run(tmp_path, GAN, "--every", "5", "--format", "json")
+
+
+def test_two_models_and_two_optimizers_are_named_by_class(gan):
+    tmp_path, result = gan
+    assert result.returncode == 0, result.stderr
+    names = {
+        e["optimizer"]: [p["name"] for p in e["params"]] for e in events(tmp_path, "optimizer")
+    }
+    layers = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+    assert sorted(names.values()) == [
+        [f"Discriminator:{n}" for n in layers],
+        [f"Generator:{n}" for n in layers],
+    ]
+    assert [e["step"] for e in events(tmp_path, "step") if e["optimizer"] == 0][-1] == 10
+
+
+def test_json_output_parses(gan):
+    _, result = gan
+    report = json.loads(result.stdout)
+    assert report["kind"] == "watch"
+    assert report["subject"]["parameters"] == 8
+    assert report["subject"]["optimizers"] == ["Adam#0", "Adam#1"]
+    assert report["subject"]["end"] == "exited"
+
+
+def test_a_command_that_steps_no_optimizer(tmp_path):
+    result = dw_run(tmp_path, NO_OPTIMIZER)
+    assert result.returncode == 4
+    assert "just data prep" in result.stdout
+    assert "the command stepped no optimizer, so there is nothing to report" in result.stderr
+    assert not (tmp_path / "run.jsonl").exists()
+
+
+def test_a_bad_select_fails_before_running_the_command(tmp_path):
+    result = dw_run(tmp_path, NO_OPTIMIZER, "--select", "DW999")
+    assert result.returncode == 2 and "unknown rule" in result.stderr
+    assert "just data prep" not in result.stdout
+
+
+# Says whether torch was imported before it ran: a sitecustomize may set up threads or
+# devices that must be in place before torch loads, so deadweight runs it first.
+SITECUSTOMIZE = """
+import os
+import sys
+os.environ[{variable!r}] = __file__ + (" after torch" if "torch" in sys.modules else "")
+"""
+
+CHECK_SITECUSTOMIZE = """
+import os
+import torch
+
+for variable in ("USER_SITECUSTOMIZE", "SCRIPT_DIR_SITECUSTOMIZE"):
+    print(variable, os.environ.get(variable))
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+"""
+
+
+def test_a_user_sitecustomize_still_runs_as_it_would_without_deadweight(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(variable="USER_SITECUSTOMIZE"))
+    # Python puts the script's folder on sys.path only after `site` ran, so a
+    # sitecustomize next to the script is not imported at startup, with or without us.
+    (tmp_path / "sitecustomize.py").write_text(
+        SITECUSTOMIZE.format(variable="SCRIPT_DIR_SITECUSTOMIZE")
+    )
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(CHECK_SITECUSTOMIZE))
+    env = {**ENV, "PYTHONPATH": str(site)}
+    plain = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=TIMEOUT, env=env
+    )
+    watched = dw_run(tmp_path, CHECK_SITECUSTOMIZE, "--every", "1", env=env)
+    assert watched.returncode == plain.returncode == 0, watched.stderr
+    assert f"USER_SITECUSTOMIZE {site / 'sitecustomize.py'}\n" in plain.stdout
+    assert set(plain.stdout.splitlines()) <= set(watched.stdout.splitlines())
+    assert len(events(tmp_path, "step")) == 3  # and deadweight watched
+
+
+def test_a_failing_user_sitecustomize_does_not_stop_watching(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("raise RuntimeError('broken site')\n")
+    env = {**ENV, "PYTHONPATH": str(site)}
+    result = dw_run(tmp_path, CHECK_SITECUSTOMIZE, "--every", "1", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "Error in sitecustomize" in result.stderr and "broken site" in result.stderr
+    assert len(events(tmp_path, "step")) == 3
+
+
+def test_sigterm_to_deadweight_ends_the_script_too(tmp_path):
+    proc = _start_forever(tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    # Killed by the signal: no atexit, so no end record, and still a report.
+    assert "log ends without an end record" in out.splitlines()[0], out
+    assert not events(tmp_path, "end")
