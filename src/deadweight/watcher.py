@@ -165,9 +165,8 @@ class Watch:
 
     @staticmethod
     def _pre_hook(monitor: StepMonitor) -> Any:
-        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            with contextlib.suppress(Exception):  # never let deadweight stop training
-                monitor.before_step()
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+            return _begin_step(monitor, args, kwargs)
 
         return hook
 
@@ -314,16 +313,17 @@ class GlobalWatch(Watch):
         self._handles.append(register_optimizer_step_post_hook(self._global_post))
         self._patch_grad_scaler()
 
-    def _global_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _global_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         with contextlib.suppress(Exception):
             monitor = self._monitors.get(id(optimizer))
             if monitor is None:
                 if optimizer in self._unwatched:
-                    return
+                    return None
                 monitor = self._discover(optimizer)
                 if monitor is None:
-                    return
-            monitor.before_step()
+                    return None
+            return _begin_step(monitor, args, kwargs)
+        return None
 
     def _global_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         with contextlib.suppress(Exception):
@@ -374,6 +374,36 @@ class GlobalWatch(Watch):
             GradScaler.step = original  # type: ignore[method-assign]
 
         self._restore.append(restore)
+
+
+def _begin_step(monitor: StepMonitor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The body of a step pre-hook: measure the gradients this step will use.
+
+    With a closure (`optimizer.step(closure)`: Lightning, LBFGS) backward runs inside
+    `step`, after the pre-hooks, so measuring now would see the previous step's
+    gradients. The closure is then wrapped to measure right after its first call,
+    which the optimizer makes before it changes anything; the wrapper returns the
+    closure's own result, and later calls (LBFGS) go straight through.
+    """
+    closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+    if not callable(closure):
+        with contextlib.suppress(Exception):  # never let deadweight stop training
+            monitor.before_step()
+        return None
+    measured = False
+
+    def measured_closure() -> Any:
+        nonlocal measured
+        result = closure()
+        if not measured:
+            measured = True
+            with contextlib.suppress(Exception):
+                monitor.before_step()
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": measured_closure}
+    return (args[0], measured_closure, *args[2:]), kwargs
 
 
 def _live_optimizers(first: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:

@@ -176,3 +176,38 @@ def test_reset_detected_for_new_optimizer_state_only(tmp_path) -> None:
     assert [r.step for r in resets] == [16]
     assert sorted(resets[0].params) == ["bias", "weight"]
     assert resets[0].effect is not None  # measured over the burst after it
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "lbfgs"])
+def test_closure_steps_measure_this_steps_gradients(tmp_path, optimizer: str) -> None:
+    """With optimizer.step(closure) backward runs inside step(): the grads measured must be
+    the ones that step uses, not the previous step's."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        if optimizer == "sgd"
+        else torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    )
+    used: list[float] = []
+    log = tmp_path / "run.jsonl"
+    with deadweight.watch(model, opt, every=1, log=log):
+        for step in range(4):
+            x = torch.full((2, 3), float(step + 1))
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                if len(used) == step:  # the first call of this step
+                    used.append(model.weight.grad.norm().item())
+                return loss
+
+            opt.step(closure)
+    records = [e for e in read_log(log).events if e["event"] == "step"]
+    names = [
+        p["name"]
+        for p in next(e for e in read_log(log).events if e["event"] == "optimizer")["params"]
+    ]
+    weight = names.index("weight")
+    assert [r["grad_rms"][weight] for r in records[:4]] == pytest.approx(used, rel=1e-6)

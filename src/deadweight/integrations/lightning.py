@@ -17,12 +17,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
-
-import torch
-from torch.utils.hooks import RemovableHandle
 
 from deadweight.integrations._session import WatchSession, exit_reason, torch_optimizer
 from deadweight.integrations.forward import MAX_PARAMS
@@ -83,7 +79,6 @@ class DeadweightCallback(pl.Callback):  # type: ignore[name-defined]
         self._session = WatchSession(
             logger, every=every, log=log, full=full, max_forwarded=max_forwarded
         )
-        self._closure_hooks: list[RemovableHandle] = []
 
     @property
     def watch(self) -> Watch | None:
@@ -97,9 +92,6 @@ class DeadweightCallback(pl.Callback):  # type: ignore[name-defined]
 
     def close(self, reason: str = "closed") -> Report | None:
         """Remove every hook now and return the report (idempotent)."""
-        for handle in self._closure_hooks:
-            handle.remove()
-        self._closure_hooks.clear()
         return self._session.close(reason)
 
     # -- Lightning events ----------------------------------------------------------------
@@ -108,8 +100,6 @@ class DeadweightCallback(pl.Callback):  # type: ignore[name-defined]
         if self._session.open:
             self.close("not closed: the previous fit() ended without on_train_end")
         optimizers = [o for o in (torch_optimizer(opt) for opt in trainer.optimizers) if o]
-        # Before the watch's own hooks, so they see this step's gradients (see below).
-        self._closure_hooks = [o.register_step_pre_hook(_closure_first) for o in optimizers]
         plugin = getattr(trainer, "precision_plugin", None)
         started = self._session.start(
             [pl_module],
@@ -152,45 +142,3 @@ class DeadweightCallback(pl.Callback):  # type: ignore[name-defined]
                 self.forward,
             )
         return targets
-
-
-def _closure_first(
-    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Run the step's closure before the other step pre-hooks, and hand the step its result.
-
-    Lightning calls `optimizer.step(closure=...)` with a closure that runs
-    training_step, zero_grad and backward (and gradient clipping). The optimizer calls
-    it inside `step`, after the step pre-hooks, so deadweight's pre-hook would see the
-    previous step's gradients, or none at all on the first step. Calling the closure
-    here first is what the optimizer would do anyway: its first act is `closure()`
-    under `enable_grad`, on the parameters as they are now. An optimizer that calls
-    the closure again (LBFGS) gets the real one from the second call on.
-    """
-    if "closure" in kwargs:
-        closure = kwargs["closure"]
-    elif len(args) > 1:  # args[0] is the optimizer itself
-        closure = args[1]
-    else:
-        return None
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        result = closure()
-    replay = _replay(closure, result)
-    if "closure" in kwargs:
-        return args, {**kwargs, "closure": replay}
-    return (args[0], replay, *args[2:]), kwargs
-
-
-def _replay(closure: Callable[[], Any], result: Any) -> Callable[[], Any]:
-    used = False
-
-    def replay() -> Any:
-        nonlocal used
-        if used:
-            return closure()
-        used = True
-        return result
-
-    return replay

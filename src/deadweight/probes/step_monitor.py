@@ -413,6 +413,7 @@ class StepMonitor:
         ]
         self._present: list[int] = []
         self._watched = False
+        self._began = False  # before_step ran for the step in progress
         self._amp: AmpStep | None = None
         # Steps a fused optimizer skipped for a GradScaler, counted on the device and
         # read at watched steps (no sync per step); how many were reported already.
@@ -480,6 +481,7 @@ class StepMonitor:
     # -- hooks ---------------------------------------------------------------------------
 
     def before_step(self) -> None:
+        self._began = True
         self.step += 1
         self.window += 1
         cfg = self.config
@@ -497,6 +499,9 @@ class StepMonitor:
 
     def after_step(self) -> None:
         self.calls_finished += 1
+        if not self._began:  # a closure that step() never called: nothing was measured
+            return
+        self._began = False
         self._guarded("small-parameters", self._small_after)
         self._guarded("resets", self._reset_effects)
         if self._watched:
