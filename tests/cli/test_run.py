@@ -296,3 +296,50 @@ def test_sigterm_to_deadweight_ends_the_script_too(tmp_path):
     # Killed by the signal: no atexit, so no end record, and still a report.
     assert "log ends without an end record" in out.splitlines()[0], out
     assert not events(tmp_path, "end")
+
+
+NESTED = """
+import subprocess, sys
+import torch
+from torch import nn
+
+child = '''
+import os, sys, torch
+print("torch threads", os.environ.get("OMP_NUM_THREADS"))
+m = torch.nn.Linear(2, 2)
+o = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(3):
+    o.zero_grad(); m(torch.ones(1, 2)).sum().backward(); o.step()
+'''
+model = nn.Linear(3, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(5):
+    opt.zero_grad(); model(torch.ones(2, 3)).sum().backward(); opt.step()
+subprocess.run([sys.executable, "-c", child], check=True)  # a script started by the script
+print("torch imported before the script?", "see stderr")
+"""
+
+
+def test_a_nested_script_writes_its_own_log(tmp_path):
+    done = dw_run(tmp_path, NESTED, "--every", "1")
+    assert done.returncode == 0, done.stderr
+    main = events(tmp_path, "optimizer")
+    assert [p["name"] for p in main[0]["params"]] == ["weight", "bias"]  # not overwritten
+    nested = [p for p in tmp_path.iterdir() if p.name.startswith("run.pid")]
+    assert len(nested) == 1
+    assert [e["event"] for e in read_log(nested[0]).events].count("step") == 3
+
+
+def test_torch_is_not_imported_for_processes_that_do_not_use_it(tmp_path):
+    done = dw_run(
+        tmp_path,
+        """
+        import os, sys
+        os.environ["OMP_NUM_THREADS"] = "1"  # set before torch, as scripts do
+        print("before", "torch" in sys.modules)
+        import torch
+        print("threads", torch.get_num_threads())
+        """,
+    )
+    assert "before False" in done.stdout
+    assert "threads 1" in done.stdout

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import os
 import signal
 import subprocess
@@ -27,7 +28,9 @@ from deadweight.registry import Selection
 from deadweight.zero_code import ENV_EVERY, ENV_FULL, ENV_LOG
 
 HELP = "run a training script with every optimizer it creates watched"
-# A Ctrl-C at the terminal reaches the script itself; one sent to deadweight alone is
+# A Ctrl-C at the terminal reaches the script itself (same foreground process group),
+# and is not passed on: a second SIGINT could cut the script's own cleanup short. A
+# SIGINT sent to deadweight alone (no terminal, or deadweight not in the foreground) is
 # passed on after this many seconds if the script is still running.
 FORWARD_SIGINT_AFTER = 1.0
 
@@ -64,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise InputError(str(exc)) from None
     log = os.path.abspath(args.log)
-    if os.path.exists(log):
-        os.remove(log)  # a stale log from an earlier run must not be reported as this one
+    for stale in [log, *_other_logs(log)]:  # an earlier run's logs must not pass for this one's
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(stale)
     env = dict(os.environ)
     bootstrap = os.path.join(os.path.dirname(deadweight.__file__), "_bootstrap")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap, env.get("PYTHONPATH")) if p)
@@ -93,7 +97,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"deadweight: note: {problem}", file=sys.stderr)
     failed = emit(report, args)
     print(f"deadweight: event log {log}", file=sys.stderr)
+    others = _other_logs(log)
+    if others:
+        print(
+            f"deadweight: {len(others)} other process(es) of the run wrote their own logs "
+            f"(`deadweight report` shows each): {', '.join(others)}",
+            file=sys.stderr,
+        )
     return code if code != 0 else failed
+
+
+def _other_logs(log: str) -> list[str]:
+    """Logs of torchrun ranks (LOG.rankN.jsonl) and of nested scripts (LOG.pidN.jsonl)."""
+    stem, ext = os.path.splitext(log)
+    found = glob.glob(f"{glob.escape(stem)}.rank*{ext}") + glob.glob(
+        f"{glob.escape(stem)}.pid*{ext}"
+    )
+    return sorted(found)
 
 
 def _wait(child: subprocess.Popen[bytes]) -> int:
@@ -108,6 +128,7 @@ def _wait(child: subprocess.Popen[bytes]) -> int:
         with contextlib.suppress(OSError):
             child.send_signal(signal.SIGTERM)
 
+    terminal_reaches_child = _in_terminal_foreground()
     previous = signal.signal(signal.SIGINT, on_sigint)
     previous_term = signal.signal(signal.SIGTERM, on_sigterm)
     forwarded = False
@@ -120,6 +141,7 @@ def _wait(child: subprocess.Popen[bytes]) -> int:
                 if (
                     interrupted_at
                     and not forwarded
+                    and not terminal_reaches_child
                     and time.monotonic() - interrupted_at[0] > FORWARD_SIGINT_AFTER
                 ):
                     child.send_signal(signal.SIGINT)
@@ -129,3 +151,11 @@ def _wait(child: subprocess.Popen[bytes]) -> int:
         signal.signal(signal.SIGTERM, previous_term)
     # Like a shell: a script killed by signal N exits with 128 + N.
     return 128 - code if code < 0 else code
+
+
+def _in_terminal_foreground() -> bool:
+    """Whether a Ctrl-C typed at the terminal reaches this process group (and the child)."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):  # no terminal: stdin is a pipe or closed
+        return False
