@@ -65,9 +65,11 @@ def no_monitor(model: Any, opt: Any) -> Iterator[None]:
 
 
 def watch_variant(**kw: Any) -> Callable[[Any, Any], Any]:
+    log = os.path.join(tempfile.mkdtemp(prefix="dw-bench-"), "run.jsonl")
+
     @contextlib.contextmanager
     def variant(model: Any, opt: Any) -> Iterator[None]:
-        with deadweight.watch(model, opt, **kw):
+        with deadweight.watch(model, opt, log=log, **kw):  # with its event log, as in use
             yield
 
     return variant

@@ -79,6 +79,7 @@ class Watch:
         if self.log_path is not None and not lazy_log:
             self._open_log()
         self._monitors: dict[int, StepMonitor] = {}
+        self._next_index = 0
         self._handles: list[RemovableHandle] = []
         self._restore: list[Any] = []
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -117,13 +118,17 @@ class Watch:
         monitor = self._monitor_or_none(optimizer, passengers)
         if monitor is None:
             return
-        self._handles.append(optimizer.register_step_pre_hook(self._pre_hook(monitor)))
-        self._handles.append(optimizer.register_step_post_hook(self._post_hook(monitor)))
+        self._handles.append(optimizer.register_step_pre_hook(self._pre_hook))
+        self._handles.append(optimizer.register_step_post_hook(self._post_hook))
 
     def _monitor(
-        self, optimizer: torch.optim.Optimizer, passengers: Sequence[tuple[str, torch.Tensor]] = ()
+        self,
+        optimizer: torch.optim.Optimizer,
+        passengers: Sequence[tuple[str, torch.Tensor]] = (),
+        start_step: int = 0,
     ) -> StepMonitor:
-        index = len(self._monitors)
+        index = self._next_index
+        self._next_index += 1
         positions: dict[int, tuple[int, int]] = {}
         for g, group in enumerate(optimizer.param_groups):
             for j, p in enumerate(group["params"]):
@@ -138,17 +143,22 @@ class Watch:
                 name = owners.fallback_name(index, g, j, p)
             return name
 
-        monitor = StepMonitor(index, optimizer, name_of, self._emit, self.config, passengers)
+        monitor = StepMonitor(
+            index, optimizer, name_of, self._emit, self.config, passengers, start_step
+        )
         self._monitors[id(optimizer)] = monitor
         return monitor
 
     def _monitor_or_none(
-        self, optimizer: torch.optim.Optimizer, passengers: Sequence[tuple[str, torch.Tensor]] = ()
+        self,
+        optimizer: torch.optim.Optimizer,
+        passengers: Sequence[tuple[str, torch.Tensor]] = (),
+        start_step: int = 0,
     ) -> StepMonitor | None:
         """The optimizer's monitor, or None (and an error event) when building it fails:
         a deadweight bug, such as a dtype it cannot fingerprint, must not stop training."""
         try:
-            return self._monitor(optimizer, passengers)
+            return self._monitor(optimizer, passengers, start_step)
         except Exception as exc:
             self._unwatched.add(optimizer)
             self._emit(
@@ -163,20 +173,30 @@ class Watch:
             )
             return None
 
-    @staticmethod
-    def _pre_hook(monitor: StepMonitor) -> Any:
-        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
-            return _begin_step(monitor, args, kwargs)
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        monitor = self._current_monitor(optimizer)
+        return None if monitor is None else _begin_step(monitor, args, kwargs)
 
-        return hook
-
-    @staticmethod
-    def _post_hook(monitor: StepMonitor) -> Any:
-        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            with contextlib.suppress(Exception):
+    def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        with contextlib.suppress(Exception):  # never let deadweight stop training
+            monitor = self._monitors.get(id(optimizer))
+            if monitor is not None:
                 monitor.after_step()
 
-        return hook
+    def _current_monitor(self, optimizer: torch.optim.Optimizer) -> StepMonitor | None:
+        """The optimizer's monitor; a new one when parameters were added to the optimizer
+        (`add_param_group`) since it was built, so they are watched too. The statistics
+        carry each parameter's history over by name."""
+        monitor = self._monitors.get(id(optimizer))
+        try:
+            if monitor is not None and monitor.structure_changed():
+                monitor.finish()
+                old = monitor
+                del self._monitors[id(optimizer)]
+                monitor = self._monitor_or_none(optimizer, old.passengers, start_step=old.step)
+        except Exception as exc:
+            self._error("setup", exc)
+        return monitor
 
     def _wrap_scaler(self, scaler: Any) -> None:
         """See the steps a GradScaler skips: it does not call optimizer.step() then."""
@@ -222,15 +242,21 @@ class Watch:
             self._writer = None
 
     def _error(self, detector: str, exc: Exception) -> None:
-        """An error that cannot go through `_emit` (the log or a listener failed)."""
-        self.stats.errors.append(
-            {
-                "optimizer": None,
-                "step": self.stats.steps,
-                "detector": detector,
-                "message": f"{type(exc).__name__}: {exc}",
-            }
-        )
+        """An error that cannot go through `_emit` (the log or a listener failed): into
+        the statistics, and into the log when the log itself still works."""
+        event = {
+            "event": "error",
+            "optimizer": None,
+            "step": self.stats.steps,
+            "detector": detector,
+            "message": f"{type(exc).__name__}: {exc}",
+        }
+        self.stats.apply(event)
+        if self._writer is not None and detector != "log":
+            with contextlib.suppress(Exception):
+                self._writer.write(event)
+        elif self._pending is not None:
+            self._pending.append(event)
 
     def _emit(self, event: dict[str, Any]) -> None:
         try:
@@ -315,7 +341,7 @@ class GlobalWatch(Watch):
 
     def _global_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         with contextlib.suppress(Exception):
-            monitor = self._monitors.get(id(optimizer))
+            monitor = self._current_monitor(optimizer)
             if monitor is None:
                 if optimizer in self._unwatched:
                     return None
@@ -326,10 +352,7 @@ class GlobalWatch(Watch):
         return None
 
     def _global_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        with contextlib.suppress(Exception):
-            monitor = self._monitors.get(id(optimizer))
-            if monitor is not None:
-                monitor.after_step()
+        self._post_hook(optimizer, args, kwargs)
 
     def _discover(self, optimizer: torch.optim.Optimizer) -> StepMonitor | None:
         self._open_log()

@@ -111,6 +111,11 @@ def _host_float(value: Any) -> float | None:
     return None
 
 
+def _signature(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+    """Parameters per group: changes when `add_param_group` adds some."""
+    return tuple(len(g["params"]) for g in optimizer.param_groups)
+
+
 def _predicted_reset_amplification(group: dict[str, Any]) -> float | None:
     # Right after a reset v ~ (1 - b2) g^2 instead of ~ g^2: noise-driven steps grow by
     # sqrt(1 / (1 - b2)) (the incident's sqrt(20) = 4.47 for b2 = 0.95).
@@ -365,12 +370,16 @@ class StepMonitor:
         emit: Emit,
         config: MonitorConfig,
         passengers: Sequence[tuple[str, torch.Tensor]] = (),
+        start_step: int = 0,
     ) -> None:
         self.index = index
         self.optimizer = optimizer
         self.config = config
         self.emit = emit
-        self.step = 0
+        # A monitor that replaces one of the same optimizer (parameters were added)
+        # continues its step numbers.
+        self.start_step = start_step
+        self.step = start_step
         self.calls_finished = 0  # after_step calls: a GradScaler skip leaves it unchanged
         self.disabled: dict[str, str] = {}
         params: list[torch.Tensor] = []
@@ -391,6 +400,8 @@ class StepMonitor:
                 groups.append(None)
         self.params = params
         self.groups = groups
+        self.passengers = list(passengers)
+        self.signature = _signature(optimizer)
         self.names = [name_of(p) for p in params]
         self.stateful_positions = [i for i, g in enumerate(groups) if g is not None]
         self.present_count = [0] * len(params)
@@ -439,6 +450,7 @@ class StepMonitor:
         return {
             "event": "optimizer",
             "optimizer": self.index,
+            "start_step": self.start_step,
             "class": type(self.optimizer).__name__,
             "groups": groups,
             "params": [
@@ -508,6 +520,9 @@ class StepMonitor:
             self._guarded("scaler", self._report_fused_skips)
             self._guarded("record", self._record)
 
+    def structure_changed(self) -> bool:
+        return _signature(self.optimizer) != self.signature
+
     def finish(self) -> None:
         """Record the steps since the last watched step (watching ends): without this a
         run of 59 steps watched every 20 would be judged on its first 40."""
@@ -549,6 +564,8 @@ class StepMonitor:
                     "step": self.step,
                     "cause": "GradScaler found inf/NaN gradients and the fused optimizer "
                     "skipped its update (counted at this watched step)",
+                    # step() was called (the kernel skipped), so it is among the steps
+                    "counted_as_step": True,
                 }
             )
         self.fused_skips_reported = count

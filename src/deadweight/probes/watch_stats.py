@@ -72,7 +72,9 @@ class OptimizerTrack:
     small: list[int]
     values: list[int]
     steps: int = 0
+    start_step: int = 0  # step numbers continue those of an earlier monitor of it
     scaler_skips: list[int] = field(default_factory=list)  # step counts at each skip
+    skips_among_steps: int = 0  # skips a fused optimizer made inside a step() call
 
 
 @dataclass
@@ -128,6 +130,7 @@ class WatchStats:
             names,
             list(event.get("small", [])),
             list(event.get("values", [])),
+            start_step=int(event.get("start_step", 0)),
         )
         for pos, p in enumerate(event["params"]):
             shape = tuple(p["shape"])
@@ -177,7 +180,7 @@ class WatchStats:
         lr_sum = event.get("lr_sum") or []
         for pos, track in enumerate(tracks):
             base = track.base
-            track.steps = base[0] + step
+            track.steps = base[0] + step - opt.start_step
             track.grad_present = base[1] + event["grad_present"][pos]
             track.lr0_steps = base[2] + event["lr0_steps"][pos]
             if track.group is not None and track.group < len(lr_sum):
@@ -258,6 +261,8 @@ class WatchStats:
             return
         opt, tracks = found
         opt.scaler_skips.append(int(event["step"]))
+        if event.get("counted_as_step"):
+            opt.skips_among_steps += 1
         for track in tracks:
             track.skipped += 1
 

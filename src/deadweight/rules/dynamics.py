@@ -309,9 +309,10 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
     for opt in stats.optimizers.values():
         skips = opt.scaler_skips
         if skips:
-            share = len(skips) / max(1, opt.steps + len(skips))
+            total = opt.steps - opt.start_step + len(skips) - opt.skips_among_steps
+            share = len(skips) / max(1, total)
             yield get_rule("DW304").finding(
-                f"A GradScaler skipped {len(skips)} of {opt.steps + len(skips)} steps of "
+                f"A GradScaler skipped {len(skips)} of {total} steps of "
                 f"{opt.cls}#{opt.index} ({share:.1%}), the first after step {skips[0]}.",
                 evidence={
                     "optimizer": f"{opt.cls}#{opt.index}",
