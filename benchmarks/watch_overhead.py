@@ -34,6 +34,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import deadweight
+from deadweight.probes.step_monitor import StepMonitor
 
 transformers.logging.set_verbosity_error()
 
@@ -75,14 +76,18 @@ def watch_variant(**kw: Any) -> Callable[[Any, Any], Any]:
     return variant
 
 
+_WANDB_RUN: list[Any] = []
+
+
 def wandb_variant(log_freq: int) -> Callable[[Any, Any], Any] | None:
     try:
         import wandb
     except ImportError:
         return None
-    os.environ.setdefault("WANDB_SILENT", "true")
-    directory = tempfile.mkdtemp(prefix="dw-bench-wandb-")
-    run = wandb.init(mode="offline", dir=directory, project="deadweight-bench")
+    if not _WANDB_RUN:  # one offline run for every wandb variant
+        os.environ.setdefault("WANDB_SILENT", "true")
+        directory = tempfile.mkdtemp(prefix="dw-bench-wandb-")
+        _WANDB_RUN.append(wandb.init(mode="offline", dir=directory, project="deadweight-bench"))
 
     @contextlib.contextmanager
     def variant(model: Any, opt: Any) -> Iterator[None]:
@@ -92,8 +97,38 @@ def wandb_variant(log_freq: int) -> Callable[[Any, Any], Any] | None:
         finally:
             wandb.unwatch(model)
 
-    variant.run = run  # type: ignore[attr-defined]
     return variant
+
+
+def time_in_hooks(
+    model: Any, opt: Any, step: Callable[[], None], steps: int, **kw: Any
+) -> tuple[float, float]:
+    """Seconds per step spent inside deadweight's hooks, and per step overall, timed
+    directly around the hook bodies: far less noisy than a difference of step times."""
+    spent = [0.0]
+    originals = StepMonitor.before_step, StepMonitor.after_step
+
+    def timed(body: Callable[[StepMonitor], None]) -> Callable[[StepMonitor], None]:
+        def run(self: StepMonitor) -> None:
+            start = time.perf_counter()
+            body(self)
+            spent[0] += time.perf_counter() - start
+
+        return run
+
+    StepMonitor.before_step, StepMonitor.after_step = map(timed, originals)  # type: ignore[method-assign,assignment]
+    try:
+        log = os.path.join(tempfile.mkdtemp(prefix="dw-bench-"), "run.jsonl")
+        with deadweight.watch(model, opt, log=log, **kw):
+            step()  # the baseline record at attach time, as in the blocks
+            spent[0] = 0.0
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            total = time.perf_counter() - start
+    finally:
+        StepMonitor.before_step, StepMonitor.after_step = originals  # type: ignore[method-assign]
+    return spent[0] / steps, total / steps
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -161,6 +196,7 @@ def main() -> None:
     peer = None if args.no_wandb else wandb_variant(log_freq=args.block)
     if peer is not None:
         variants[f'wandb.watch(log="all", log_freq={args.block})'] = peer
+        variants['wandb.watch(log="all", log_freq=1)'] = wandb_variant(log_freq=1) or peer
     ratios: dict[str, list[float]] = {name: [] for name in variants}
     base_times: list[float] = []
 
@@ -195,13 +231,22 @@ def main() -> None:
             + ", ".join(f"{v:.3f}" for v in values)
             + ")"
         )
+    for label, kw in (
+        ("default: every=20", {"every": 20}),
+        ("full: every=1, full=True", {"every": 1, "full": True}),
+    ):
+        inside, per_step = time_in_hooks(model, opt, step, 2 * args.block, **kw)
+        print(
+            f"time inside deadweight's hooks ({label}), timed directly over {2 * args.block} "
+            f"steps: {inside * 1e3:.2f} ms per step = {inside / per_step * 100:.3f}% of a step"
+        )
     print(
         f"memory: deadweight holds {mem['held'] * 100:.3f}% of params+grads+AdamW state "
         f"({mem['training_bytes'] / 2**20:.0f} MiB) between steps, at most "
         f"{mem['peak'] * 100:.2f}% during a watched step"
     )
-    if peer is not None:
-        peer.run.finish()  # type: ignore[attr-defined]
+    for run in _WANDB_RUN:
+        run.finish()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""Homologous names: the same parameter in different layers."""
+
+from __future__ import annotations
+
+import pytest
+
+from deadweight.homologous import homologous_groups, layer_key
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("blocks.3.layer_scalar", ("blocks.{}.layer_scalar", 3)),
+        ("transformer.h.11.ln_1.weight", ("transformer.h.{}.ln_1.weight", 11)),
+        ("model.layers.2.experts.5.w1", ("model.layers.2.experts.{}.w1", 5)),  # the last index
+        ("fc1.weight", None),  # a digit inside a word is no layer index
+        ("conv2d.bias", None),
+        ("0.weight", ("{}.weight", 0)),  # nn.Sequential
+        ("Generator:net.0.weight", ("Generator:net.{}.weight", 0)),
+    ],
+)
+def test_layer_key(name: str, key: tuple[str, int] | None) -> None:
+    assert layer_key(name) == key
+
+
+def test_groups_need_three_members() -> None:
+    names = [f"h.{i}.ln.weight" for i in range(4)] + ["a.0.w", "a.1.w", "head.weight"]
+    groups = homologous_groups(names)
+    assert list(groups) == ["h.{}.ln.weight"]
+    assert [i for i, _ in groups["h.{}.ln.weight"]] == [0, 1, 2, 3]
+
+
+def test_groups_sorted_by_layer_index_not_text() -> None:
+    names = [f"blocks.{i}.s" for i in (10, 2, 1)]
+    assert [n for _, n in homologous_groups(names)["blocks.{}.s"]] == [
+        "blocks.1.s", "blocks.2.s", "blocks.10.s",
+    ]  # fmt: skip
