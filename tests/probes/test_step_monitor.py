@@ -195,7 +195,7 @@ def test_closure_steps_measure_this_steps_gradients(tmp_path, optimizer: str) ->
         for step in range(4):
             x = torch.full((2, 3), float(step + 1))
 
-            def closure() -> torch.Tensor:
+            def closure(x: torch.Tensor = x, step: int = step) -> torch.Tensor:
                 opt.zero_grad()
                 loss = model(x).pow(2).mean()
                 loss.backward()
