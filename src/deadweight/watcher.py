@@ -38,6 +38,15 @@ from deadweight.report import Report
 log = logging.getLogger(__name__)
 
 
+def exit_reason(exc: BaseException | None) -> str:
+    """The `end` event's reason for a run that ended with `exc` (None: normally)."""
+    if exc is None:
+        return "closed"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return f"raised {type(exc).__name__}: {exc}"
+
+
 def _as_list(x: Any, kind: type) -> list[Any]:
     if x is None:
         return []
@@ -317,12 +326,7 @@ class Watch:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is None:
-            self.close()
-        elif issubclass(exc_type, KeyboardInterrupt):
-            self.close("interrupted")
-        else:
-            self.close(f"raised {exc_type.__name__}: {exc}")
+        self.close(exit_reason(exc))
 
 
 class GlobalWatch(Watch):
@@ -505,11 +509,8 @@ def watch_all(
     w = GlobalWatch(config=MonitorConfig(every=every, full=full), log=log, argv=argv)
     try:
         yield w
-    except KeyboardInterrupt:
-        w.close("interrupted")
-        raise
     except BaseException as exc:
-        w.close(f"raised {type(exc).__name__}: {exc}")
+        w.close(exit_reason(exc))
         raise
     else:
         w.close()

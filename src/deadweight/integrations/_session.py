@@ -44,15 +44,6 @@ def rank_path(path: str | os.PathLike[str] | None, rank: int, world_size: int) -
     return f"{stem}.rank{rank}{ext}"
 
 
-def exit_reason(exc: BaseException | None) -> str:
-    """The `end` event's reason, worded as `Watch.__exit__` words it."""
-    if exc is None:
-        return "closed"
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
-    return f"raised {type(exc).__name__}: {exc}"
-
-
 class WatchSession:
     """One watch per training run; `close` is idempotent (so is `Watch.close`)."""
 

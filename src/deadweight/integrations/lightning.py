@@ -20,10 +20,10 @@ import os
 from types import ModuleType
 from typing import Any
 
-from deadweight.integrations._session import WatchSession, exit_reason, torch_optimizer
+from deadweight.integrations._session import WatchSession, torch_optimizer
 from deadweight.integrations.forward import MAX_PARAMS
 from deadweight.report import Report
-from deadweight.watcher import Watch
+from deadweight.watcher import Watch, exit_reason
 
 logger = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback, WandbCallback
 from transformers.trainer_callback import CallbackHandler
 
-from deadweight.integrations._session import WatchSession, exit_reason
+from deadweight.integrations._session import WatchSession
 from deadweight.integrations.forward import MAX_PARAMS
 from deadweight.report import Report
-from deadweight.watcher import Watch
+from deadweight.watcher import Watch, exit_reason
 
 logger = logging.getLogger(__name__)
 
