@@ -375,6 +375,13 @@ class GlobalWatch(Watch):
                 self._names.setdefault(name_id, name)
         except Exception as exc:  # unnamed parameters are still watched
             self._error("names", exc)
+        # An optimizer built over parameters another one trained (a new stage, a load
+        # without optimizer state) takes them over: record the old one's last steps now.
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for other in self._monitors.values():
+            if any(id(p) in mine for p in other.params):
+                with contextlib.suppress(Exception):
+                    other.finish()
         return self._monitor_or_none(optimizer)
 
     def _patch_grad_scaler(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import deadweight
 from deadweight import Severity
@@ -115,3 +116,33 @@ def test_seed2_pinned_nothing_fires() -> None:
     # The reset itself is still worth knowing, but nothing noise-driven is amplified.
     assert all(f.severity is Severity.INFO for f in report.by_code("DW303")), str(report)
     assert report.ok
+
+
+def test_seed2_new_optimizer_in_zero_code_mode() -> None:
+    """Stage 2 of the incident: a new optimizer over the same parameters (--no-load-optim),
+    seen by the global hooks of `deadweight run`."""
+    from deadweight.watcher import watch_all
+
+    setup = layer_scalar_drift.make_watchable()
+    with watch_all(every=20) as w:
+        layer_scalar_drift.train(setup, DRIFT_STEPS, every=DRIFT_STEPS)
+        setup.optimizer = torch.optim.AdamW(
+            layer_scalar_drift.shape_rule_groups(setup.model),
+            lr=layer_scalar_drift.WATCH_LR,
+            betas=layer_scalar_drift.BETAS,
+            eps=layer_scalar_drift.WATCH_EPS,
+        )
+        layer_scalar_drift.train(setup, AFTER_RESET, every=AFTER_RESET)
+    report = w.report()
+    # Names come from every model a live optimizer trains; other tests' models may be
+    # alive in this process, and then every name carries its model's class as a prefix.
+    (reset,) = report.by_code("DW303")
+    assert reset.severity is Severity.WARNING, str(report)
+    assert len(reset.params) == 1 and reset.params[0].endswith(LAST)
+    ev = reset.evidence
+    assert ev["step"] == 1  # the new optimizer's first step
+    assert ev["measured_first_update_ratio"] > 2
+    (drift,) = report.by_code("DW302")
+    assert drift.evidence["steps"] == DRIFT_STEPS + AFTER_RESET  # one history across both
+    (outlier,) = report.by_code("DW307")
+    assert outlier.params == reset.params

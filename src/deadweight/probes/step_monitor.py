@@ -615,6 +615,9 @@ class StepMonitor:
             "step": self.step,
             "params": fresh,
             "predicted_amplification": max((p for p in predicted if p is not None), default=None),
+            "cause": "a new optimizer took over parameters another one had trained"
+            if self.step == self.start_step + 1
+            else "the optimizer's state was emptied (cleared, or loaded without state)",
         }
         self.emit(event)
         # Measure every step of the burst in full, and compare the update sizes of the

@@ -7,6 +7,8 @@ printed at that point.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +35,15 @@ class SmallStats:
     sens: float = 0.0  # sum of |<grad, theta>|: how much the loss cares about its scale
     grad_sum: float = 0.0  # sum of ||grad||
     zero_updates: float = 0.0  # steps with a non-zero grad and no change at all
-    drift: float = 0.0  # ||theta - theta at the start||
+    drift: float = 0.0  # ||theta - theta at the start|| (at most, across optimizers)
+
+    def __add__(self, other: SmallStats) -> SmallStats:
+        return SmallStats(
+            *(
+                a + b
+                for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+            )
+        )
 
 
 @dataclass
@@ -57,6 +67,9 @@ class ParamTrack:
     skipped: int = 0  # GradScaler skips of its optimizer
     # Counts carried over from an earlier optimizer that held this parameter.
     base: tuple[int, int, int, float] = (0, 0, 0, 0.0)
+    small_base: SmallStats | None = None
+    # (steps, cumulative ||update|| path) of a small parameter at each record
+    path_history: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def mean_lr(self) -> float | None:
@@ -83,10 +96,13 @@ class ResetTrack:
     step: int
     params: list[str]
     predicted: float | None
+    cause: str = ""
     # name -> (mean |update| before, first update, mean over the burst), small params only
     effect: dict[str, tuple[float, float, float]] | None = None
     before_steps: int = 0
     after_steps: int = 0
+    # name -> mean ||update|| per step between the two records before the reset
+    before_from_records: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -154,6 +170,8 @@ class WatchStats:
                 track.lr0_steps, track.lr_sum = previous.lr0_steps, previous.lr_sum
                 track.moved, track.nonfinite = previous.moved, previous.nonfinite
                 track.skipped = previous.skipped
+                track.small_base = previous.small_stats
+                track.path_history = previous.path_history
                 track.base = (
                     previous.steps,
                     previous.grad_present,
@@ -196,7 +214,7 @@ class WatchStats:
         small_steps = int(event.get("small_steps", 0))
         for k, pos in enumerate(opt.small):
             track = tracks[pos]
-            track.small_stats = SmallStats(
+            small = SmallStats(
                 steps=small_steps,
                 path=event["small_path"][k],
                 radial_pos=event["small_rpos"][k],
@@ -206,6 +224,10 @@ class WatchStats:
                 zero_updates=event["small_zero_upd"][k],
                 drift=event["small_drift"][k],
             )
+            if track.small_base is not None:  # continues an earlier optimizer's statistics
+                small = track.small_base + small
+            track.small_stats = small
+            track.path_history.append((small.steps, small.path))
         cursor = 0
         values = event.get("values", [])
         for pos in opt.values:
@@ -226,14 +248,27 @@ class WatchStats:
         if found is None:
             return
         opt, _ = found
+        names = [opt.params[i] for i in event["params"]]
         self.resets.append(
             ResetTrack(
                 optimizer=opt.index,
                 step=int(event["step"]),
-                params=[opt.params[i] for i in event["params"]],
+                params=names,
                 predicted=event.get("predicted_amplification"),
+                cause=event.get("cause", ""),
+                before_from_records={
+                    n: rate for n in names if (rate := self._recent_update(n)) is not None
+                },
             )
         )
+
+    def _recent_update(self, name: str) -> float | None:
+        """Mean ||update|| per step between the last two records of a small parameter."""
+        history = self.params[name].path_history
+        if len(history) < 2 or history[-1][0] <= history[-2][0]:
+            return None
+        (s1, p1), (s2, p2) = history[-2], history[-1]
+        return (p2 - p1) / (s2 - s1)
 
     def _on_reset_effect(self, event: dict[str, Any]) -> None:
         found = self._tracks(event)
@@ -244,16 +279,17 @@ class WatchStats:
             if reset.optimizer == opt.index and reset.step == int(event["step"]):
                 reset.before_steps = int(event.get("before_steps", 0))
                 reset.after_steps = int(event.get("after_steps", 0))
-                reset.effect = {
-                    opt.params[i]: (b, f, a)
-                    for i, b, f, a in zip(
-                        event["params"],
-                        event["before"],
-                        event["first"],
-                        event["after"],
-                        strict=True,
-                    )
-                }
+                reset.effect = {}
+                for i, b, f, a in zip(
+                    event["params"], event["before"], event["first"], event["after"], strict=True
+                ):
+                    name = opt.params[i]
+                    if b is None or not math.isfinite(b):
+                        # No steps of this optimizer before the reset (a new optimizer
+                        # took over): the rate between the previous records instead.
+                        b = reset.before_from_records.get(name)
+                    if b is not None and f is not None and a is not None:
+                        reset.effect[name] = (b, f, a)
 
     def _on_skip(self, event: dict[str, Any]) -> None:
         found = self._tracks(event)

@@ -218,6 +218,8 @@ def optimizer_state_reset(stats: WatchStats) -> Iterator[Finding]:
         noisy = [n for n in reset.params if n in drifting]
         evidence: dict[str, object] = {
             "step": reset.step,
+            "optimizer": _optimizer(stats, reset.optimizer),
+            "cause": reset.cause,
             "parameters": len(reset.params),
             "predicted_amplification": reset.predicted,
         }
@@ -253,11 +255,18 @@ def optimizer_state_reset(stats: WatchStats) -> Iterator[Finding]:
         )
         yield get_rule("DW303").finding(
             f"Optimizer state of {len(reset.params)} parameter(s) went back to zero at step "
-            f"{reset.step} ({who}).{measured}",
+            f"{reset.step} of {_optimizer(stats, reset.optimizer)}"
+            + (f": {reset.cause}" if reset.cause else "")
+            + f" ({who}).{measured}",
             params=noisy or reset.params,
             evidence=evidence,
             severity=Severity.WARNING if noisy else Severity.INFO,
         )
+
+
+def _optimizer(stats: WatchStats, index: int) -> str:
+    opt = stats.optimizers.get(index)
+    return f"{opt.cls}#{index}" if opt else f"optimizer #{index}"
 
 
 def _ratios(
