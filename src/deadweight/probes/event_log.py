@@ -5,15 +5,17 @@ One JSON object per line, each with an `event` key:
     start         schema_version, tool, time, pid, argv, config
     optimizer     an optimizer is watched: its class, groups, parameters (names,
                   shapes, group), which are small (exact statistics) and which have
-                  their values logged
+                  their values logged; `start_step` when it continues an earlier
+                  monitor of the same optimizer (parameters were added)
     step          a watched step: per-parameter arrays in the order of the
                   optimizer event (grad RMS over the window, param norm, update norm
                   where measured, bitwise moved-since-start, gradient presence
                   counts), and cumulative update statistics of the small parameters
-    reset         Adam-family state went back to zero for some parameters
+    reset         Adam-family state went back to zero for some parameters, and why
     reset_effect  update sizes of the small parameters before and right after a reset
     nonfinite     first step a parameter's grad or value was NaN/Inf
-    skip          a GradScaler skipped optimizer.step()
+    skip          a GradScaler skipped a step (`counted_as_step` when a fused
+                  optimizer's step() ran and skipped inside)
     error         a detector failed and was disabled (training went on)
     end           the run ended: closed, exited, raised, or was interrupted
 
