@@ -498,7 +498,9 @@ class StepMonitor:
         self.window += 1
         cfg = self.config
         self._watched = (
-            self.step == 1 or self.step % cfg.every == 0 or self.step <= self.burst_until
+            self.step == self.start_step + 1  # the baseline record
+            or self.step % cfg.every == 0
+            or self.step <= self.burst_until
         )
         self._amp = self._guarded("amp", self._amp_step)
         self._guarded("scaler", self._count_fused_skip)
