@@ -6,7 +6,9 @@ while its 31 siblings learned (watch), or one tensor that stands out in a checkp
 
 from __future__ import annotations
 
+import math
 import re
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -15,6 +17,12 @@ from collections.abc import Iterable
 _INDEX = re.compile(r"(?:(?<=^)|(?<=\.))\d+(?=\.|$)")
 
 MIN_SIBLINGS = 3  # fewer layers than this make no population to stand out from
+# Robust z-score (0.6745 (x - median) / MAD, Iglewicz & Hoaglin) above which a layer
+# stands out, and how far from the siblings' median it must also be: the incident's
+# 56.25 next to 0.2-1.3 is 55 medians away.
+OUTLIER_Z = 5.0
+OUTLIER_MIN_FACTOR = 2.0  # positive values: at least 2x or 1/2x the median
+OUTLIER_MIN_DEVIATION = 1.0  # values of mixed sign: at least one median's size away
 
 
 def layer_key(name: str) -> tuple[str, int] | None:
@@ -39,3 +47,25 @@ def homologous_groups(names: Iterable[str]) -> dict[str, list[tuple[int, str]]]:
         if key is not None:
             groups[key[0]].append((key[1], name))
     return {t: sorted(m) for t, m in groups.items() if len(m) >= MIN_SIBLINGS}
+
+
+def robust_outlier(values: list[float]) -> tuple[int, float] | None:
+    """(index, robust z) of the single most extreme value, if it is an outlier.
+
+    Positive quantities (RMS, gains, most scalars) are compared on a log scale, where
+    0.13 among ~1.0 is as far out as 8 among ~1.0, and must differ from the median
+    by a factor of 2 or more; values of mixed sign by at least one median's size.
+    """
+    if len(values) < 3 or any(not math.isfinite(v) for v in values):
+        return None
+    positive = all(v > 0 for v in values)
+    xs = [math.log(v) for v in values] if positive else values
+    median = statistics.median(xs)
+    deviations = [abs(x - median) for x in xs]
+    mad = statistics.median(deviations)
+    index = max(range(len(xs)), key=deviations.__getitem__)
+    least = math.log(OUTLIER_MIN_FACTOR) if positive else OUTLIER_MIN_DEVIATION * abs(median)
+    if deviations[index] == 0 or deviations[index] < least:
+        return None
+    z = math.inf if mad == 0 else 0.6745 * deviations[index] / mad
+    return (index, z) if z >= OUTLIER_Z else None

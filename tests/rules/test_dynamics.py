@@ -11,7 +11,7 @@ from torch import nn
 
 import deadweight
 from deadweight import Severity
-from deadweight.rules import dynamics
+from deadweight.homologous import robust_outlier
 from tests.tiny_transformers import bert_config, gpt2_config, llama_config
 
 
@@ -182,9 +182,9 @@ def test_layer_outlier_quiet(values: list[float]) -> None:
 
 
 def test_outlier_threshold_is_what_the_docs_say() -> None:
-    assert dynamics._outlier([1.0, 1.0, 1.0, 2.1]) is not None
-    assert dynamics._outlier([1.0, 1.0, 1.0, 1.9]) is None  # under 2x
-    assert dynamics._outlier([1.0, 1.0, 1.0, 0.4]) is not None  # 2.5x below
+    assert robust_outlier([1.0, 1.0, 1.0, 2.1]) is not None
+    assert robust_outlier([1.0, 1.0, 1.0, 1.9]) is None  # under 2x
+    assert robust_outlier([1.0, 1.0, 1.0, 0.4]) is not None  # 2.5x below
 
 
 # -- DW302 negatives ----------------------------------------------------------------------

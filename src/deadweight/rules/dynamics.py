@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Iterator
 
 from deadweight.findings import Finding, Location, Severity
-from deadweight.homologous import homologous_groups
+from deadweight.homologous import homologous_groups, robust_outlier
 from deadweight.probes.watch_stats import ParamTrack, WatchStats
 from deadweight.registry import get_rule, rule
 from deadweight.rules._drift import noise_driven
@@ -23,12 +23,6 @@ SKIPPED_WARN_MIN = 5
 # A parameter with a gradient on fewer than half of the steps learns at half speed or
 # less (a rarely routed expert): worth a warning; more often than that, information.
 INTERMITTENT_WARN_BELOW = 0.5
-# Robust z-score (0.6745 (x - median) / MAD, Iglewicz & Hoaglin) above which a layer
-# stands out, and how far from the siblings' median it must also be, as a multiple of
-# that median's size: the incident's 56.25 next to 0.2-1.3 is 55 medians away.
-OUTLIER_Z = 5.0
-OUTLIER_MIN_FACTOR = 2.0  # positive values: at least 2x or 1/2x the median
-OUTLIER_MIN_DEVIATION = 1.0  # values of mixed sign: at least one median's size away
 
 
 def _names(names: list[str], n: int = 3) -> str:
@@ -519,7 +513,7 @@ def layer_outlier(stats: WatchStats) -> Iterator[Finding]:
             values = [_layer_value(t, k) for t in tracks]
             if any(v is None for v in values):
                 continue
-            hit = _outlier([float(v) for v in values if v is not None])
+            hit = robust_outlier([float(v) for v in values if v is not None])
             if hit is not None and found is None:
                 found = (k, hit)
             elif hit is None:
@@ -531,7 +525,7 @@ def layer_outlier(stats: WatchStats) -> Iterator[Finding]:
             float(v) if v is not None else math.nan
             for v in (_layer_value(t, length - 1) for t in tracks)
         ]
-        index, z = _outlier(last_values) or found[1]
+        index, z = robust_outlier(last_values) or found[1]
         outlier = tracks[index]
         median = statistics.median(v for k, v in enumerate(last_values) if k != index)
         kind = "value" if outlier.numel == 1 else "RMS"
@@ -558,25 +552,3 @@ def _layer_value(track: ParamTrack, k: int) -> float | None:
         return track.series.value[k][0]
     norm = track.series.param_norm[k] if k < len(track.series.param_norm) else None
     return norm / math.sqrt(track.numel) if norm is not None and track.numel else None
-
-
-def _outlier(values: list[float]) -> tuple[int, float] | None:
-    """(index, robust z) of the single most extreme value, if it is an outlier.
-
-    Positive quantities (RMS, gains, most scalars) are compared on a log scale, where
-    0.13 among ~1.0 is as far out as 8 among ~1.0, and must differ from the median
-    by a factor of 2 or more; values of mixed sign by at least one median's size.
-    """
-    if len(values) < 3 or any(not math.isfinite(v) for v in values):
-        return None
-    positive = all(v > 0 for v in values)
-    xs = [math.log(v) for v in values] if positive else values
-    median = statistics.median(xs)
-    deviations = [abs(x - median) for x in xs]
-    mad = statistics.median(deviations)
-    index = max(range(len(xs)), key=deviations.__getitem__)
-    least = math.log(OUTLIER_MIN_FACTOR) if positive else OUTLIER_MIN_DEVIATION * abs(median)
-    if deviations[index] == 0 or deviations[index] < least:
-        return None
-    z = math.inf if mad == 0 else 0.6745 * deviations[index] / mad
-    return (index, z) if z >= OUTLIER_Z else None
