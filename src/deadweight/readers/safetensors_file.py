@@ -1,0 +1,270 @@
+"""Single `.safetensors` files: our own header parser, chunked reads into a reusable buffer.
+
+We parse the header ourselves instead of using `safe_open` because the data is read in bounded
+chunks with `readinto` (FACTS: 2.5 GB/s at 90 MB peak RSS, where `np.memmap` makes RSS grow to
+the file size) and because a broken file should produce one message listing every problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from deadweight.readers.base import (
+    DEFAULT_CHUNK_BYTES,
+    ITEMSIZE,
+    CheckpointError,
+    ReaderBase,
+    TensorEntry,
+    elements_per_chunk,
+    output_dtype,
+    widen,
+)
+
+# safetensors' dtype strings -> our canonical names.
+SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+# How each canonical dtype sits on disk (little-endian); 16/8-bit floats numpy lacks are read as
+# same-width unsigned ints and widened.
+RAW_DTYPES = {
+    "float64": "<f8",
+    "float32": "<f4",
+    "float16": "<f2",
+    "bfloat16": "<u2",
+    "float8_e4m3fn": "u1",
+    "float8_e5m2": "u1",
+    "int64": "<i8",
+    "int32": "<i4",
+    "int16": "<i2",
+    "int8": "i1",
+    "uint64": "<u8",
+    "uint32": "<u4",
+    "uint16": "<u2",
+    "uint8": "u1",
+    "bool": "?",
+}
+# safetensors itself refuses headers over 100 MB; a larger length field means a corrupt or
+# non-safetensors file, and reading it would allocate that much.
+MAX_HEADER_BYTES = 100_000_000
+_HEADER_LEN = struct.Struct("<Q")
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_header(
+    path: str, file_size: int, head: bytes
+) -> tuple[list[TensorEntry], dict[str, int], dict[str, Any]]:
+    """Validate a header; return entries in file order, each entry's data start, and __metadata__.
+
+    `head` is the file's first 8 bytes plus the header. Raises one CheckpointError with every
+    problem found.
+    """
+    if file_size == 0:
+        raise CheckpointError(path, "the file is empty (not a safetensors file)")
+    if file_size < 8:
+        raise CheckpointError(
+            path,
+            f"the file is {file_size} bytes, shorter than the 8-byte header length (truncated?)",
+        )
+    (header_len,) = _HEADER_LEN.unpack_from(head)
+    if header_len > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            path,
+            f"header length {header_len} is over the 100 MB safetensors allows (corrupt, or not a safetensors file)",
+        )
+    if 8 + header_len > file_size:
+        raise CheckpointError(
+            path,
+            f"header length {header_len} runs past the end of the {file_size}-byte file (truncated?)",
+        )
+    try:
+        header = json.loads(
+            head[8 : 8 + header_len].decode("utf-8"), object_pairs_hook=_reject_duplicates
+        )
+    except (
+        ValueError,
+        RecursionError,
+    ) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(
+            path, f"the header is not valid JSON ({exc}); not a safetensors file?"
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(path, f"the header is a JSON {type(header).__name__}, not an object")
+
+    data_size = file_size - 8 - header_len
+    problems: list[str] = []
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict):
+        problems.append("__metadata__ is not a JSON object")
+        metadata = {}
+    spans: list[tuple[int, int, str]] = []
+    entries: list[tuple[int, TensorEntry]] = []
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            problems.append(f"{name}: entry is not an object")
+            continue
+        raw_dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        dtype = SAFETENSORS_DTYPES.get(raw_dtype) if isinstance(raw_dtype, str) else None
+        if dtype is None:
+            problems.append(
+                f"{name}: unknown dtype {raw_dtype!r} (known: {', '.join(SAFETENSORS_DTYPES)})"
+            )
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            problems.append(f"{name}: shape {shape!r} is not a list of non-negative integers")
+            shape = None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_int(o) and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]
+        ):
+            problems.append(
+                f"{name}: data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end"
+            )
+            offsets = None
+        if dtype is None or shape is None or offsets is None:
+            continue
+        begin, end = offsets
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * ITEMSIZE[dtype]
+        if end - begin != nbytes:
+            problems.append(
+                f"{name}: shape {shape} of {dtype} needs {nbytes} bytes but data_offsets {offsets} span {end - begin}"
+            )
+            continue
+        if end > data_size:
+            problems.append(
+                f"{name}: data_offsets {offsets} run past the {data_size}-byte data section (truncated?)"
+            )
+            continue
+        spans.append((begin, end, name))
+        entries.append((begin, TensorEntry(name, tuple(shape), dtype, path, nbytes)))
+
+    # safetensors requires the tensors to tile the data section exactly: no overlap, no gap.
+    spans.sort()
+    covered = 0
+    previous = ""
+    for begin, end, name in spans:
+        if begin < covered:
+            problems.append(f"{name}: bytes {begin}..{end} overlap {previous}")
+        elif begin > covered:
+            problems.append(
+                f"bytes {covered}..{begin} of the data section are not covered by any tensor"
+            )
+        if end >= covered:
+            covered, previous = end, name
+    if not problems and covered != data_size:
+        problems.append(
+            f"bytes {covered}..{data_size} of the data section are not covered by any tensor (trailing data)"
+        )
+    if problems:
+        raise CheckpointError.listing(path, problems)
+    entries.sort(key=lambda item: item[0])
+    starts = {entry.name: 8 + header_len + begin for begin, entry in entries}
+    return [entry for _, entry in entries], starts, metadata
+
+
+class SafetensorsFile(ReaderBase):
+    """One `.safetensors` file; the header is validated in full before any data is read."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.optimizer = None
+        try:
+            self._fh = open(path, "rb", buffering=0)  # noqa: SIM115 -- closed by close()
+        except OSError as exc:
+            raise CheckpointError(path, f"cannot open ({exc.strerror})") from None
+        try:
+            file_size = os.fstat(self._fh.fileno()).st_size
+            head = self._fh.read(8) if file_size >= 8 else b""
+            if len(head) == 8:
+                (header_len,) = _HEADER_LEN.unpack_from(head)
+                # Cap the read by the file size: the length field itself is untrusted.
+                if header_len <= min(MAX_HEADER_BYTES, file_size - 8):
+                    head += _read_exactly(self._fh, header_len, path)
+            self._entries, self._starts, self.metadata = parse_header(path, file_size, head)
+        except BaseException:
+            self._fh.close()
+            raise
+        self._by_name = {e.name: e for e in self._entries}
+
+    def entries(self) -> list[TensorEntry]:
+        return list(self._entries)
+
+    def chunks(
+        self, entry: TensorEntry, max_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> Iterator[np.ndarray]:
+        if self._by_name.get(entry.name) != entry:
+            raise KeyError(f"{entry.name} is not a tensor of {self.path}")
+        raw_dtype = np.dtype(RAW_DTYPES[entry.dtype])
+        per_chunk = min(elements_per_chunk(entry.dtype, max_bytes), entry.numel)
+        if per_chunk == 0:
+            return
+        buffer = np.empty(per_chunk, dtype=raw_dtype)
+        # fp8 lookups can write into a reusable output buffer too; other conversions allocate.
+        out = (
+            np.empty(per_chunk, dtype=output_dtype(entry.dtype))
+            if raw_dtype.itemsize == 1 and entry.is_float
+            else None
+        )
+        position = self._starts[entry.name]
+        remaining = entry.numel
+        while remaining:
+            n = min(per_chunk, remaining)
+            view = buffer[:n]
+            self._fh.seek(position)
+            _readinto_exactly(self._fh, view.view(np.uint8).data, self.path)
+            position += n * raw_dtype.itemsize
+            remaining -= n
+            yield widen(view, entry.dtype, out)
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _read_exactly(fh: Any, n: int, path: str) -> bytes:
+    buf = bytearray(n)
+    _readinto_exactly(fh, memoryview(buf), path)
+    return bytes(buf)
+
+
+def _readinto_exactly(fh: Any, view: memoryview, path: str) -> None:
+    done = 0
+    while done < len(view):
+        got = fh.readinto(view[done:])
+        if not got:
+            raise CheckpointError(path, "the file ended early (did it change while being read?)")
+        done += got
