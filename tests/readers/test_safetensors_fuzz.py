@@ -15,7 +15,10 @@ from safetensors.torch import save_file
 from deadweight.readers import CheckpointError, open_checkpoint
 from deadweight.readers.safetensors_file import SAFETENSORS_DTYPES
 
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# database=None: no .hypothesis directory in the checkout; failures print their example anyway.
+FUZZ = settings(
+    max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def _open_and_read(data: bytes) -> None:

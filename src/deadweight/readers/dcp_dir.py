@@ -208,6 +208,7 @@ class DcpDirectory(ReaderBase):
             "params_with_state": len(params),
             "step": max(values) if values else None,
             "moments": sorted(moments),
-            # Options are stored as pickled bytes items; not read, so that opening stays cheap.
+            # Options (lr, betas...) are bytes items that DCP's planner unpickles with
+            # weights_only=False: reading them would run whatever pickle the directory holds.
             "param_groups": [],
         }
