@@ -21,6 +21,7 @@ from deadweight.errors import DeadweightError, InputError, LossFnError
 from deadweight.findings import Finding, Location, Severity
 from deadweight.fixes.param_groups import param_groups
 from deadweight.fixes.pin import PinHandle, pin
+from deadweight.forensics import diff_checkpoints, inspect_checkpoints, trend_checkpoints
 from deadweight.registry import Rule, all_rules, get_rule
 from deadweight.report import SCHEMA_VERSION, Report
 from deadweight.watcher import Watch, watch
@@ -40,8 +41,11 @@ __all__ = [
     "__version__",
     "all_rules",
     "check",
+    "diff_checkpoints",
     "get_rule",
+    "inspect_checkpoints",
     "param_groups",
     "pin",
+    "trend_checkpoints",
     "watch",
 ]

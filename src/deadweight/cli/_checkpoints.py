@@ -1,0 +1,117 @@
+"""What `deadweight inspect`, `diff` and `trend` share: options, progress, tables, exit codes.
+
+Each command reads only, writes nothing next to the checkpoints, and keeps going past
+a file it cannot read: that file's error is printed and the exit code is 2, the others
+are still reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from rich.table import Table
+
+from deadweight.cli._common import add_report_options, emit
+from deadweight.readers import find_checkpoints
+from deadweight.report import Report
+
+_TABLE_ROWS = 60  # per checkpoint in the terminal; --format json has every tensor
+
+
+def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--unsafe-pickle",
+        action="store_true",
+        help="allow torch checkpoints that need arbitrary code to load (runs their pickle)",
+    )
+    add_report_options(parser)
+
+
+def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
+    paths, errors = find_checkpoints(inputs)
+    return paths, [str(e) for e in errors]
+
+
+def finish(report: Report, args: argparse.Namespace, errors: list[str], table: Table | None) -> int:
+    if args.format == "text" and table is not None:
+        Console().print(table)
+    code = emit(report, args)
+    for error in [*errors, *report.subject.get("errors", [])]:
+        print(f"deadweight: error: {error}", file=sys.stderr)
+    return 2 if errors or report.subject.get("errors") else code
+
+
+class progress_bar:
+    """A progress bar on stderr for long scans, only when stderr is a terminal."""
+
+    def __enter__(self) -> Any:
+        if not sys.stderr.isatty():
+            self._bar = None
+            return None
+        self._bar = Progress(
+            "[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+            TransferSpeedColumn(), console=Console(stderr=True), transient=True,
+        )  # fmt: skip
+        self._bar.start()
+        task = self._bar.add_task("reading", total=None)
+        bar = self._bar
+
+        def advance(name: str, nbytes: int) -> None:
+            bar.update(task, advance=nbytes, description=name[-40:])
+
+        return advance
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def tensor_table(report: Report) -> Table | None:
+    tensors = report.subject.get("tensors") or {}
+    if not tensors:
+        return None
+    table = Table(title="tensors", header_style="bold", pad_edge=False)
+    table.add_column("name", overflow="fold", min_width=24)
+    for column in ("shape", "dtype", "min", "max", "mean", "std", "zeros", "nan/inf"):
+        table.add_column(column, justify="left" if column == "dtype" else "right", no_wrap=True)
+    for path, rows in tensors.items():
+        if len(tensors) > 1:
+            table.add_row(f"[bold]{path}[/]")
+        for row in rows[:_TABLE_ROWS]:
+            if row["analysed"]:
+                numbers = [f"{row[k]:.3g}" for k in ("min", "max", "mean", "std")]
+                counts = [str(row["zeros"]), str(row["nonfinite"])]
+            else:
+                numbers, counts = ["·"] * 4, ["·", "·"]
+            table.add_row(
+                row["name"],
+                "×".join(map(str, row["shape"])) or "scalar",
+                row["dtype"],
+                *numbers,
+                *counts,
+            )
+        if len(rows) > _TABLE_ROWS:
+            table.add_row(f"… {len(rows) - _TABLE_ROWS} more (--format json lists all)")
+    return table
+
+
+def diff_table(report: Report) -> Table | None:
+    s = report.subject
+    table = Table(title=f"top movers of {s['compared']} compared tensors", header_style="bold")
+    table.add_column("name")
+    table.add_column("relative change", justify="right")
+    table.add_column("max |change|", justify="right")
+    for row in s["top_movers"]:
+        table.add_row(row["name"], f"{row['relative_change']:.3g}", f"{row['max_abs_change']:.3g}")
+    for key in ("added", "removed"):
+        if s[key]:
+            table.add_row(
+                f"[bold]{key}[/]: {', '.join(s[key][:10])}" + (" …" if len(s[key]) > 10 else "")
+            )
+    for row in s["reshaped"]:
+        table.add_row(f"[bold]reshaped[/]: {row['name']} {row['a']} -> {row['b']}")
+    return table

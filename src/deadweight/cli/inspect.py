@@ -1,0 +1,49 @@
+"""`deadweight inspect CKPT...`: per-tensor statistics, layer outliers (DW402),
+quantization risk (DW403) and NaN/Inf (DW404) of checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from deadweight import forensics
+from deadweight.cli._checkpoints import (
+    add_checkpoint_options,
+    expand,
+    finish,
+    progress_bar,
+    tensor_table,
+)
+from deadweight.errors import InputError
+from deadweight.probes.checkpoint_scan import DEFAULT_SCHEME
+
+HELP = "per-tensor statistics, layer outliers, quantization risk and NaN/Inf of checkpoints"
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("inspect", help=HELP, description=HELP + ".")
+    parser.add_argument("paths", nargs="+", metavar="CKPT", help="files, directories or globs")
+    parser.add_argument(
+        "--scheme",
+        default=DEFAULT_SCHEME,
+        help="quantization scheme for DW403: int4, int8-channel, int4-group128, "
+        f"int8-tensor-asym, ... or 'none' (default: {DEFAULT_SCHEME})",
+    )
+    add_checkpoint_options(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    paths, errors = expand(args.paths)
+    if not paths and errors:
+        raise InputError("; ".join(errors))
+    scheme = None if args.scheme == "none" else args.scheme
+    try:
+        with progress_bar() as progress:
+            report = forensics.inspect_checkpoints(
+                paths, scheme=scheme, unsafe_pickle=args.unsafe_pickle, select=args.select,
+                ignore=args.ignore, progress=progress,
+            )  # fmt: skip
+    except ValueError as exc:  # a bad --scheme, --select or --ignore
+        raise InputError(str(exc)) from None
+    return finish(report, args, errors, tensor_table(report))

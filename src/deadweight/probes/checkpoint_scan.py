@@ -1,0 +1,245 @@
+"""Measure saved checkpoints: per-tensor statistics, quantization risk, differences, trends.
+
+Three measurements, one per command, each judged by the DW4xx rules:
+
+* `inspect_checkpoints` -> `InspectStats`: every tensor's statistics, and the
+  quantization risk of every floating tensor under one scheme (plus each layer
+  scalar quantized together with the largest weight of its layer);
+* `diff_checkpoints` -> `DiffStats`: bitwise-unchanged tensors, relative change,
+  tensors added, removed or reshaped;
+* `trend_checkpoints` -> `TrendStats`: single-element tensors across a series of saves.
+
+Only readers touch files (`deadweight.readers`); a checkpoint that cannot be read is
+an error in the result, and the others are still measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from deadweight.homologous import layer_key
+from deadweight.probes.quantization import QuantRisk, Scheme, joint_risk, quant_risk
+from deadweight.probes.tensor_stats import TensorStats, tensor_stats
+from deadweight.readers import Checkpoint, CheckpointError, TensorEntry, open_checkpoint, step_of
+
+Progress = Callable[[str, int], None]  # (what, bytes done) after each tensor
+
+DEFAULT_SCHEME = "int4-group128"  # what on-device INT4 deployment (GPTQ/AWQ) commonly uses
+
+
+@dataclass
+class CheckpointScan:
+    path: str
+    step: int | None
+    tensors: dict[str, TensorStats] = field(default_factory=dict)
+    optimizer: dict[str, object] | None = None
+    quant: dict[str, QuantRisk] = field(default_factory=dict)
+    # layer scalar -> (the weight it was quantized with, the risk of doing so)
+    joint: dict[str, tuple[str, QuantRisk]] = field(default_factory=dict)
+
+
+@dataclass
+class InspectStats:
+    scans: list[CheckpointScan]
+    scheme: str
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    name: str
+    unchanged: bool  # bitwise
+    relative_change: float  # ||b - a|| / ||a||
+    max_abs_change: float
+
+
+@dataclass
+class DiffStats:
+    a: str
+    b: str
+    tensors: dict[str, TensorDiff] = field(default_factory=dict)
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    reshaped: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    retyped: list[tuple[str, str, str]] = field(default_factory=list)
+    listed_only: list[str] = field(default_factory=list)  # int/bool tensors: not compared
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrendStats:
+    paths: list[str]
+    steps: list[int | None]
+    # name -> value per checkpoint (None where the tensor is missing), single-element tensors
+    values: dict[str, list[float | None]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def _open(path: str, unsafe_pickle: bool, errors: list[str]) -> Checkpoint | None:
+    try:
+        return open_checkpoint(path, unsafe_pickle=unsafe_pickle)
+    except CheckpointError as exc:
+        errors.append(str(exc))
+        return None
+
+
+def scan_checkpoint(
+    ckpt: Checkpoint, scheme: Scheme | None = None, progress: Progress | None = None
+) -> CheckpointScan:
+    """Statistics of every tensor; with a scheme, also its quantization risk (each
+    floating tensor is then read whole, once, and both are computed from it)."""
+    scan = CheckpointScan(ckpt.path, step_of(ckpt.path), optimizer=ckpt.optimizer)
+    entries = ckpt.entries()
+    # Layer scalars are read first (a few bytes each), so each is quantized together with
+    # its layer's largest weight while that weight is in memory anyway: one at a time.
+    scalars_of: dict[str, list[tuple[str, float]]] = {}
+    if scheme is not None:
+        partners = _largest_per_layer(entries)
+        for entry in entries:
+            if entry.is_float and entry.numel == 1:
+                partner = partners.get(_layer_prefix(entry.name))
+                value = float(ckpt.array(entry).reshape(-1)[0])
+                if partner is not None and math.isfinite(value):
+                    scalars_of.setdefault(partner.name, []).append((entry.name, value))
+    for entry in entries:
+        chunks: Iterable[np.ndarray] | None
+        if not entry.is_float:
+            chunks = None
+        elif scheme is None:
+            chunks = ckpt.chunks(entry)
+        else:
+            whole = ckpt.array(entry)
+            chunks = [whole]
+        stats = tensor_stats(entry.name, entry.shape, entry.dtype, entry.numel, chunks)
+        scan.tensors[entry.name] = stats
+        if scheme is not None and entry.is_float and not stats.nonfinite:
+            if entry.numel > 1:
+                scan.quant[entry.name] = quant_risk(whole, scheme)
+            for name, value in scalars_of.get(entry.name, []):
+                scan.joint[name] = (entry.name, joint_risk(value, whole, scheme))
+        if progress is not None:
+            progress(entry.name, entry.nbytes)
+    return scan
+
+
+def _largest_per_layer(entries: list[TensorEntry]) -> dict[str, TensorEntry]:
+    """The largest weight of each layer that holds a single-element tensor: what a
+    layer scalar would share a quantization range with."""
+    scalar_layers = {
+        _layer_prefix(e.name) for e in entries if e.is_float and e.numel == 1 and layer_key(e.name)
+    }
+    largest: dict[str, TensorEntry] = {}
+    for entry in entries:
+        layer = _layer_prefix(entry.name)
+        bigger = layer not in largest or entry.numel > largest[layer].numel
+        if entry.is_float and entry.numel > 1 and layer in scalar_layers and bigger:
+            largest[layer] = entry
+    return largest
+
+
+def _layer_prefix(name: str) -> str:
+    """`layers.31.mlp.fc1.weight` -> `layers.31`; names without an index -> ``."""
+    key = layer_key(name)
+    if key is None:
+        return ""
+    template, index = key
+    return template.split("{}")[0] + str(index)
+
+
+def inspect_checkpoints(
+    paths: Sequence[str],
+    *,
+    scheme: str | Scheme | None = DEFAULT_SCHEME,
+    unsafe_pickle: bool = False,
+    progress: Progress | None = None,
+) -> InspectStats:
+    parsed = Scheme.parse(scheme) if isinstance(scheme, str) else scheme
+    stats = InspectStats([], str(parsed) if parsed else "none")
+    for path in paths:
+        ckpt = _open(path, unsafe_pickle, stats.errors)
+        if ckpt is None:
+            continue
+        try:
+            stats.scans.append(scan_checkpoint(ckpt, parsed, progress))
+        except CheckpointError as exc:
+            stats.errors.append(str(exc))
+        finally:
+            ckpt.close()
+    return stats
+
+
+def diff_checkpoints(a: str, b: str, *, unsafe_pickle: bool = False) -> DiffStats:
+    stats = DiffStats(a, b)
+    left = _open(a, unsafe_pickle, stats.errors)
+    right = _open(b, unsafe_pickle, stats.errors)
+    try:
+        if left is None or right is None:
+            return stats
+        la = {e.name: e for e in left.entries()}
+        rb = {e.name: e for e in right.entries()}
+        stats.removed = [n for n in la if n not in rb]
+        stats.added = [n for n in rb if n not in la]
+        for name, ea in la.items():
+            eb = rb.get(name)
+            if eb is None:
+                continue
+            if ea.shape != eb.shape:
+                stats.reshaped.append((name, list(ea.shape), list(eb.shape)))
+            elif ea.dtype != eb.dtype:
+                stats.retyped.append((name, ea.dtype, eb.dtype))
+            elif not ea.is_float:
+                stats.listed_only.append(name)
+            else:
+                stats.tensors[name] = _compare(name, left, ea, right, eb)
+    except CheckpointError as exc:
+        stats.errors.append(str(exc))
+    finally:
+        for ckpt in (left, right):
+            if ckpt is not None:
+                ckpt.close()
+    return stats
+
+
+def _compare(
+    name: str, left: Checkpoint, ea: TensorEntry, right: Checkpoint, eb: TensorEntry
+) -> TensorDiff:
+    equal = True
+    diff_sq = base_sq = 0.0
+    max_abs = 0.0
+    for ca, cb in zip(left.chunks(ea), right.chunks(eb), strict=True):
+        ca, cb = ca.reshape(-1), cb.reshape(-1)
+        bits = np.uint64 if ca.dtype.itemsize == 8 else np.uint32
+        # Bitwise, on the raw bits: NaN == NaN and -0.0 != 0.0, as a checksum would see it.
+        if equal and not np.array_equal(ca.view(bits), cb.view(bits)):
+            equal = False
+        d = cb.astype(np.float64) - ca
+        diff_sq += float(np.dot(d, d))
+        wide = ca.astype(np.float64)
+        base_sq += float(np.dot(wide, wide))
+        if d.size:
+            max_abs = max(max_abs, float(np.abs(d).max()))
+    relative = math.sqrt(diff_sq / base_sq) if base_sq else (0.0 if diff_sq == 0 else math.inf)
+    return TensorDiff(name, equal, relative, max_abs)
+
+
+def trend_checkpoints(paths: Sequence[str], *, unsafe_pickle: bool = False) -> TrendStats:
+    ordered = sorted(paths, key=lambda p: (step_of(p) is None, step_of(p) or 0))
+    stats = TrendStats(list(ordered), [step_of(p) for p in ordered])
+    for k, path in enumerate(ordered):
+        ckpt = _open(path, unsafe_pickle, stats.errors)
+        if ckpt is None:
+            continue
+        try:
+            for entry in ckpt.entries():
+                if entry.is_float and entry.numel == 1:
+                    value = float(ckpt.array(entry).reshape(-1)[0])
+                    stats.values.setdefault(entry.name, [None] * len(ordered))[k] = value
+        except CheckpointError as exc:
+            stats.errors.append(str(exc))
+        finally:
+            ckpt.close()
+    return stats
