@@ -2,16 +2,19 @@
 
 Each chunk (64 MB from a reader) is reduced in cache-sized slices: the first pass
 over a slice brings it from memory, the other reductions find it in cache, so the
-cost stays close to one read of the bytes.
+cost stays close to one read of the bytes. NaN/Inf are rare: a slice is filtered
+only when its min, max or sum of squares says it holds some.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 # Elements per slice: 256k float32 = 1 MB, a typical L2 cache.
 SLICE = 1 << 18
@@ -73,26 +76,56 @@ class _Accumulator:
         self.min = math.inf
         self.max = -math.inf
         self.total = 0.0
+        # Sum of (x - shift)^2. With the shift near the mean, a norm gain of 1.0 +- 1e-4
+        # keeps its std; E[x^2] - mean^2 in float would cancel it away.
+        self.shift: float | None = None
         self.squares = 0.0
 
     def add(self, chunk: np.ndarray) -> None:
-        for start in range(0, chunk.size, SLICE):
-            part = chunk[start : start + SLICE]
-            finite = np.isfinite(part)
-            bad = part.size - int(np.count_nonzero(finite))
-            if bad:
-                self.nonfinite += bad
-                part = part[finite]
-                if not part.size:
-                    continue
-            self.count += part.size
-            self.zeros += part.size - int(np.count_nonzero(part))
-            self.min = min(self.min, float(part.min()))
-            self.max = max(self.max, float(part.max()))
-            # float64 accumulation: a float32 sum of millions of squares loses digits
-            self.total += float(part.sum(dtype=np.float64))
-            wide = part.astype(np.float64, copy=False)
-            self.squares += float(np.dot(wide, wide))
+        with warnings.catch_warnings():  # a read-only buffer is fine: nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            whole = torch.from_numpy(chunk)
+        for start in range(0, whole.numel(), SLICE):
+            part = whole[start : start + SLICE]
+            # torch reduces a cache-resident slice several times faster than numpy:
+            # min/max in one pass, sums (float64 for the plain sum; the float32 dot of a
+            # 1 MB slice is exact to ~1e-7 and slices are added in float64).
+            low, high = torch.aminmax(part)
+            lo, hi = float(low), float(high)
+            total = float(torch.sum(part, dtype=torch.float64))
+            if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(total)):
+                self._add_with_nonfinite(part.numpy())
+                continue
+            if self.shift is None:  # squares about a value near the mean: no cancellation
+                self.shift = total / part.numel()
+            centred = part - self.shift
+            squares = float(torch.dot(centred, centred))
+            if not math.isfinite(squares):  # beyond float32: the float64 path
+                self._add_with_nonfinite(part.numpy())
+                continue
+            self.count += part.numel()
+            self.zeros += part.numel() - int(torch.count_nonzero(part))
+            self.min = min(self.min, lo)
+            self.max = max(self.max, hi)
+            self.total += total
+            self.squares += squares
+
+    def _add_with_nonfinite(self, part: np.ndarray) -> None:
+        """The slow path, only for slices holding NaN/Inf (or squares beyond float32)."""
+        finite = np.isfinite(part)
+        self.nonfinite += part.size - int(np.count_nonzero(finite))
+        part = part[finite]
+        if not part.size:
+            return
+        if self.shift is None:
+            self.shift = float(part.astype(np.float64).mean())
+        wide = part.astype(np.float64) - self.shift
+        self.count += part.size
+        self.zeros += part.size - int(np.count_nonzero(part))
+        self.min = min(self.min, float(part.min()))
+        self.max = max(self.max, float(part.max()))
+        self.total += float(part.astype(np.float64).sum())
+        self.squares += float(np.dot(wide, wide))
 
 
 def tensor_stats(
@@ -107,7 +140,8 @@ def tensor_stats(
     if not acc.count:
         return TensorStats(name, shape, dtype, numel, True, nonfinite=acc.nonfinite)
     mean = acc.total / acc.count
-    variance = max(0.0, acc.squares / acc.count - mean * mean)
+    offset = mean - (acc.shift or 0.0)
+    variance = max(0.0, acc.squares / acc.count - offset * offset)
     return TensorStats(
         name, shape, dtype, numel, True, acc.min, acc.max, mean, math.sqrt(variance),
         acc.zeros, acc.nonfinite,
