@@ -8,6 +8,7 @@ are still reported.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
@@ -36,10 +37,23 @@ def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
     return paths, [str(e) for e in errors]
 
 
-def finish(report: Report, args: argparse.Namespace, errors: list[str], table: Table | None) -> int:
-    if args.format == "text" and table is not None:
-        Console().print(table)
-    code = emit(report, args)
+# Subject keys the generic text header would print raw: the optimizer summary as a dict
+# repr, and trend's list of steps as "[0, 100, ...] steps". Their tables show them instead;
+# --format json keeps them.
+_HEADER_CLASHES = ("optimizer", "steps")
+
+
+def finish(
+    report: Report, args: argparse.Namespace, errors: list[str], *tables: Table | None
+) -> int:
+    if args.format == "text":
+        for table in tables:
+            if table is not None:
+                Console().print(table)
+        subject = {k: v for k, v in report.subject.items() if k not in _HEADER_CLASHES}
+        code = emit(dataclasses.replace(report, subject=subject), args)
+    else:
+        code = emit(report, args)
     for error in [*errors, *report.subject.get("errors", [])]:
         print(f"deadweight: error: {error}", file=sys.stderr)
     return 2 if errors or report.subject.get("errors") else code
@@ -114,4 +128,74 @@ def diff_table(report: Report) -> Table | None:
             )
     for row in s["reshaped"]:
         table.add_row(f"[bold]reshaped[/]: {row['name']} {row['a']} -> {row['b']}")
+    for row in s.get("retyped", []):
+        table.add_row(f"[bold]retyped[/]: {row['name']} {row['a']} -> {row['b']}")
+    if s.get("not_compared"):
+        table.add_row(f"[bold]not compared[/] (int/bool): {_listing(s['not_compared'])}")
+    return table
+
+
+def _listing(names: list[str], n: int = 10) -> str:
+    return ", ".join(names[:n]) + (f" … ({len(names) - n} more)" if len(names) > n else "")
+
+
+def optimizer_table(report: Report) -> Table | None:
+    """The optimizer state saved beside the weights (torch checkpoints), one row per group."""
+    optimizers = report.subject.get("optimizer") or {}
+    if not optimizers:
+        return None
+    table = Table(title="optimizer state", header_style="bold", pad_edge=False)
+    for column in ("checkpoint", "key", "step", "params", "moments", "group", "lr",
+                   "weight decay", "betas", "eps"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("checkpoint", "key") else "right")
+    for path, summary in optimizers.items():
+        head = [
+            path,
+            str(summary.get("key", "")),
+            _number(summary.get("step")),
+            str(summary.get("params_with_state", "")),
+            ", ".join(summary.get("moments") or []) or "none",
+        ]
+        groups = summary.get("param_groups") or [{}]
+        for k, group in enumerate(groups):
+            betas = group.get("betas")
+            table.add_row(
+                *(head if k == 0 else [""] * len(head)),
+                str(k),
+                _number(group.get("lr")),
+                _number(group.get("weight_decay")),
+                ", ".join(_number(b) for b in betas) if betas else "·",
+                _number(group.get("eps")),
+            )
+    return table
+
+
+def _number(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) else "·"
+
+
+def trend_table(report: Report) -> Table | None:
+    """Each single-element tensor over the series: first, last, lowest and highest value."""
+    s = report.subject
+    if not s.get("values"):
+        return None
+    known = [step for step in s["steps"] if step is not None]
+    span = f", steps {min(known)}..{max(known)}" if known else ""
+    table = Table(
+        title=f"single-element tensors over {len(s['checkpoints'])} checkpoints{span}",
+        header_style="bold",
+        pad_edge=False,
+    )
+    table.add_column("name", overflow="fold", min_width=24)
+    for column in ("saves", "first", "last", "min", "max"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for name, values in list(s["values"].items())[:_TABLE_ROWS]:
+        seen = [v for v in values if v is not None]
+        if not seen:
+            continue
+        table.add_row(
+            name, str(len(seen)), *(f"{v:.4g}" for v in (seen[0], seen[-1], min(seen), max(seen)))
+        )
+    if len(s["values"]) > _TABLE_ROWS:
+        table.add_row(f"… {len(s['values']) - _TABLE_ROWS} more (--format json lists all)")
     return table

@@ -11,6 +11,7 @@ from deadweight.cli._checkpoints import (
     add_checkpoint_options,
     expand,
     finish,
+    optimizer_table,
     progress_bar,
     tensor_table,
 )
@@ -46,4 +47,4 @@ def run(args: argparse.Namespace) -> int:
             )  # fmt: skip
     except ValueError as exc:  # a bad --scheme, --select or --ignore
         raise InputError(str(exc)) from None
-    return finish(report, args, errors, tensor_table(report))
+    return finish(report, args, errors, tensor_table(report), optimizer_table(report))

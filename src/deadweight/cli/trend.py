@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from deadweight import forensics
-from deadweight.cli._checkpoints import add_checkpoint_options, expand, finish
+from deadweight.cli._checkpoints import add_checkpoint_options, expand, finish, trend_table
 from deadweight.errors import InputError
 
 HELP = "single-element tensors across a series of checkpoints (a directory or glob works)"
@@ -30,4 +30,4 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    return finish(report, args, errors, None)
+    return finish(report, args, errors, trend_table(report))

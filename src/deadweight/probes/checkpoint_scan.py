@@ -210,18 +210,30 @@ def _compare(
     equal = True
     diff_sq = base_sq = 0.0
     max_abs = 0.0
+    diverged = False
     for ca, cb in zip(left.chunks(ea), right.chunks(eb), strict=True):
         ca, cb = ca.reshape(-1), cb.reshape(-1)
         bits = np.uint64 if ca.dtype.itemsize == 8 else np.uint32
         # Bitwise, on the raw bits: NaN == NaN and -0.0 != 0.0, as a checksum would see it.
         if equal and not np.array_equal(ca.view(bits), cb.view(bits)):
             equal = False
+        finite_a, finite_b = np.isfinite(ca), np.isfinite(cb)
+        if not (finite_a.all() and finite_b.all()):
+            # A value that became (or stopped being) NaN/Inf is an unbounded change; where
+            # both are non-finite the change is measured on the other elements, so one NaN
+            # carried along does not turn the whole tensor's change into NaN.
+            if not np.array_equal(finite_a, finite_b):
+                diverged = True
+            both = finite_a & finite_b
+            ca, cb = ca[both], cb[both]
         d = cb.astype(np.float64) - ca
         diff_sq += float(np.dot(d, d))
         wide = ca.astype(np.float64)
         base_sq += float(np.dot(wide, wide))
         if d.size:
             max_abs = max(max_abs, float(np.abs(d).max()))
+    if diverged:
+        return TensorDiff(name, equal, math.inf, math.inf)
     relative = math.sqrt(diff_sq / base_sq) if base_sq else (0.0 if diff_sq == 0 else math.inf)
     return TensorDiff(name, equal, relative, max_abs)
 

@@ -1,0 +1,200 @@
+"""`deadweight inspect`, `diff` and `trend`, end to end in subprocesses: text and JSON
+output, exit codes 0/1/2, unreadable files among good ones, nothing written beside them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from deadweight.report import SCHEMA_VERSION
+
+TIMEOUT = 300  # generous: shared CI machines
+ENV = {**os.environ, "COLUMNS": "200"}  # rich wraps at 80 columns without a terminal
+
+PET = """
+import torch
+
+
+class RunConfig:  # saved beside the weights: loading it runs this module's code
+    def __init__(self, lr):
+        self.lr = lr
+"""
+
+
+def dw(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deadweight", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env or ENV,
+    )
+
+
+def listing(directory: Path) -> list[tuple[str, int, int]]:
+    return sorted(
+        (str(p.relative_to(directory)), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in directory.rglob("*")
+    )
+
+
+def weights(seed: int, **extra: torch.Tensor) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {f"layers.{i}.mlp.weight": torch.randn(16, 16, generator=gen) for i in range(3)}
+    return {**tensors, **extra}
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """Four saves of a run whose layers.0.gate rises at every save."""
+    directory = tmp_path / "run"
+    directory.mkdir()
+    for k, step in enumerate([0, 100, 200, 300]):
+        gate = torch.tensor([1.0 + 0.5 * k])
+        save_file(weights(k, **{"layers.0.gate": gate}), directory / f"step-{step}.safetensors")
+    return directory
+
+
+def test_inspect_healthy_text_and_json(run_dir: Path) -> None:
+    before = listing(run_dir)
+    text = dw("inspect", run_dir / "step-0.safetensors")
+    assert text.returncode == 0, text.stderr
+    assert "layers.2.mlp.weight" in text.stdout and "no findings" in text.stdout
+    assert "16×16" in text.stdout
+    result = dw("inspect", run_dir, "--format", "json", "--scheme", "none")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["kind"] == "inspect" and data["schema_version"] == SCHEMA_VERSION
+    assert data["subject"]["scheme"] == "none"
+    assert len(data["subject"]["checkpoints"]) == 4
+    rows = data["subject"]["tensors"][str(run_dir / "step-300.safetensors")]
+    assert {r["name"] for r in rows} == {*weights(0), "layers.0.gate"}
+    assert listing(run_dir) == before  # nothing written beside the checkpoints
+
+
+def test_inspect_findings_exit_1(tmp_path: Path) -> None:
+    bad = torch.ones(8)
+    bad[3] = math.nan
+    path = tmp_path / "model.safetensors"
+    save_file({"w": bad}, path)
+    result = dw("inspect", path)
+    assert result.returncode == 1, result.stderr
+    assert "DW404" in result.stdout and "checkpoint-non-finite" in result.stdout
+
+
+def test_unreadable_file_among_good_ones(run_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    good = run_dir / "step-0.safetensors"
+    result = dw("inspect", good, broken, "--format", "json")
+    assert result.returncode == 2
+    data = json.loads(result.stdout)
+    assert data["subject"]["checkpoints"] == [str(good)]  # the good one is still reported
+    errors = [line for line in result.stderr.splitlines() if line.startswith("deadweight: error:")]
+    assert len(errors) == 1 and f"deadweight: error: {broken}: " in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_directory_without_checkpoints(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("nothing here")
+    result = dw("trend", tmp_path)
+    assert result.returncode == 2
+    assert f"deadweight: error: {tmp_path}: holds no checkpoint" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bogus_scheme_lists_the_accepted_forms(run_dir: Path) -> None:
+    result = dw("inspect", run_dir / "step-0.safetensors", "--scheme", "bogus")
+    assert result.returncode == 2
+    assert "unknown quantization scheme 'bogus'" in result.stderr
+    assert "accepted:" in result.stderr and "int4-group128" in result.stderr
+
+
+def test_diff_different_names(tmp_path: Path) -> None:
+    a, b = tmp_path / "step-0.safetensors", tmp_path / "step-1.safetensors"
+    shared = torch.randn(4, 4)
+    save_file({"kept": shared, "moved": torch.ones(3), "old.weight": torch.ones(2)}, a)
+    save_file({"kept": shared, "moved": torch.ones(3) * 2, "new.weight": torch.ones(2)}, b)
+    text = dw("diff", a, b)
+    assert text.returncode == 1, text.stderr  # DW401: `kept` did not change
+    assert "DW401" in text.stdout
+    assert "added: new.weight" in text.stdout and "removed: old.weight" in text.stdout
+    result = dw("diff", a, b, "--format", "json", "--top", "1")
+    data = json.loads(result.stdout)
+    assert data["kind"] == "diff" and data["schema_version"] == SCHEMA_VERSION
+    s = data["subject"]
+    assert s["added"] == ["new.weight"] and s["removed"] == ["old.weight"]
+    assert [m["name"] for m in s["top_movers"]] == ["moved"]
+
+
+def test_diff_unreadable_side(tmp_path: Path) -> None:
+    good = tmp_path / "step-0.safetensors"
+    save_file({"w": torch.ones(2)}, good)
+    result = dw("diff", good, tmp_path / "missing.safetensors")
+    assert result.returncode == 2
+    assert f"deadweight: error: {tmp_path / 'missing.safetensors'}" in result.stderr
+
+
+def test_trend_text_and_json(run_dir: Path) -> None:
+    before = listing(run_dir)
+    text = dw("trend", run_dir)
+    assert text.returncode == 1, text.stderr
+    assert "DW405" in text.stdout and "layers.0.gate rose" in text.stdout
+    assert "steps 0..300" in text.stdout
+    glob = dw("trend", str(run_dir / "step-*.safetensors"), "--format", "json")
+    assert glob.returncode == 1, glob.stderr
+    data = json.loads(glob.stdout)
+    assert data["kind"] == "trend" and data["schema_version"] == SCHEMA_VERSION
+    assert data["subject"]["steps"] == [0, 100, 200, 300]
+    (finding,) = data["findings"]
+    assert finding["evidence"]["rate_per_step"] == pytest.approx(1.5 / 300)
+    assert listing(run_dir) == before
+
+
+def test_optimizer_summary_in_text(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    path = tmp_path / "ckpt-1.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    result = dw("inspect", path)
+    assert result.returncode == 0, result.stderr
+    assert "optimizer state" in result.stdout and "exp_avg_sq" in result.stdout
+    assert "0.0003" in result.stdout
+    assert "{'key'" not in result.stdout  # not a raw dict in the header
+    assert "model.weight" in result.stdout and "optimizer.state" not in result.stdout
+
+
+def test_unsafe_pickle_is_opt_in(tmp_path: Path) -> None:
+    (tmp_path / "pets.py").write_text(PET)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), ENV.get("PYTHONPATH", "")])}
+    path = tmp_path / "pet.pt"
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import torch, pets; torch.save({{'model': {{'w': torch.ones(3)}}, "
+            f"'config': pets.RunConfig(0.1)}}, {str(path)!r})",
+        ],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=TIMEOUT,
+    )
+    refused = dw("inspect", path, env=env)
+    assert refused.returncode == 2
+    assert f"deadweight: error: {path}: " in refused.stderr
+    assert "--unsafe-pickle" in refused.stderr
+    allowed = dw("inspect", path, "--unsafe-pickle", "--format", "json", env=env)
+    assert allowed.returncode == 0, allowed.stderr
+    rows = json.loads(allowed.stdout)["subject"]["tensors"][str(path)]
+    assert [r["name"] for r in rows] == ["model.w"]
