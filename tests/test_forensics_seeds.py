@@ -84,3 +84,12 @@ def test_seed2_trend_drift_rate(tmp_path) -> None:
     assert drift.params == ("layers.31.layer_scalar",)
     assert drift.evidence["rate_per_step"] == pytest.approx((56.25 - 1.0) / 53_000)
     assert drift.evidence["steps"] == steps
+
+
+def test_a_pickled_module_is_an_error_not_an_empty_report(tmp_path) -> None:
+    path = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(2, 2), path)  # the whole module, not its state_dict
+    report = deadweight.inspect_checkpoints([str(path)], unsafe_pickle=True)
+    assert not report.subject["checkpoints"]
+    (error,) = report.subject["errors"]
+    assert str(path) in error and "state_dict" in error

@@ -94,6 +94,11 @@ def scan_checkpoint(
     floating tensor is then read whole, once, and both are computed from it)."""
     scan = CheckpointScan(ckpt.path, step_of(ckpt.path), optimizer=ckpt.optimizer)
     entries = ckpt.entries()
+    if not entries and ckpt.optimizer is None:
+        # e.g. a whole pickled nn.Module: its tensors are not in a state dict
+        raise CheckpointError(
+            ckpt.path, "holds no tensors deadweight can read (save model.state_dict() instead)"
+        )
     # Layer scalars are read first (a few bytes each), so each is quantized together with
     # its layer's largest weight while that weight is in memory anyway: one at a time.
     scalars_of: dict[str, list[tuple[str, float]]] = {}

@@ -184,8 +184,13 @@ def widen(raw: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndar
     converted to the output dtype. `out`, when given, is reused for the result."""
     if dtype == "bfloat16":
         # bf16 is the top half of an fp32: shifting the bits back is exact, and numpy has no bf16.
-        bits = raw.view(np.uint16).astype(np.uint32) << 16
-        return bits.view(np.float32)
+        if out is not None and out.size >= raw.size:  # in place: no temporaries per chunk
+            bits = out[: raw.size].view(np.uint32)
+            np.copyto(bits, raw.view(np.uint16), casting="safe")
+            np.left_shift(bits, 16, out=bits)
+            return bits.view(np.float32)
+        widened = raw.view(np.uint16).astype(np.uint32) << 16
+        return widened.view(np.float32)
     if dtype in ("float8_e4m3fn", "float8_e5m2"):
         table = fp8_table(dtype)
         if out is not None and out.size >= raw.size:

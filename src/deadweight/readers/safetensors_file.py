@@ -238,10 +238,10 @@ class SafetensorsFile(ReaderBase):
         per_chunk = min(elements_per_chunk(entry.dtype, max_bytes), entry.numel)
         if per_chunk == 0:
             return
-        # fp8 lookups can write into a reusable output buffer too; other conversions allocate.
+        # fp8 lookups and bf16 widening write into one reusable output buffer.
         out = (
             np.empty(per_chunk, dtype=output_dtype(entry.dtype))
-            if raw_dtype.itemsize == 1 and entry.is_float
+            if (raw_dtype.itemsize == 1 and entry.is_float) or entry.dtype == "bfloat16"
             else None
         )
         mapped = self._mapping()

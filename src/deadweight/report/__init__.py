@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,9 +58,24 @@ class Report:
         }
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, default=str)
+        """Strict JSON: NaN and Infinity (a tensor that blew up) become null, since jq and
+        JavaScript reject them."""
+        try:
+            return json.dumps(self.to_dict(), indent=indent, default=str, allow_nan=False)
+        except ValueError:
+            return json.dumps(_finite(self.to_dict()), indent=indent, default=str)
 
     def __str__(self) -> str:
         from deadweight.report.text import render_plain
 
         return render_plain(self)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
