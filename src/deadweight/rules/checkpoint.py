@@ -7,24 +7,17 @@ import math
 import statistics
 from collections.abc import Iterator
 
-from deadweight.findings import Finding, Location, Severity
+from deadweight.findings import Finding, Severity
 from deadweight.homologous import homologous_groups, robust_outlier
 from deadweight.probes.checkpoint_scan import DiffStats, InspectStats, TrendStats
 from deadweight.registry import get_rule, rule
+from deadweight.rules._wording import module_of, name_list
 
 # A value that moved the same way at every save, over at least this many saves, by at
 # least this share of its starting size, is drifting (the incident's scalar went from
 # 1.0 to 56.25; learning scalars wander both ways between saves).
 TREND_MIN_SAVES = 4
 TREND_MIN_RELATIVE = 0.1
-
-
-def _names(names: list[str], n: int = 3) -> str:
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
-
-
-def _module(name: str) -> Location:
-    return Location(module=name.rpartition(".")[0])
 
 
 @rule(
@@ -64,10 +57,10 @@ def never_learned(stats: DiffStats) -> Iterator[Finding]:
     everything = len(unchanged) == len(stats.tensors)
     yield get_rule("DW401").finding(
         f"{len(unchanged)} of {len(stats.tensors)} floating-point tensor(s) are bitwise "
-        f"unchanged between {stats.a} and {stats.b}: {_names(unchanged)}."
+        f"unchanged between {stats.a} and {stats.b}: {name_list(unchanged)}."
         + (" Every tensor is identical: the same checkpoint twice?" if everything else ""),
         params=unchanged,
-        location=_module(unchanged[0]),
+        location=module_of(unchanged[0]),
         evidence={
             "a": stats.a,
             "b": stats.b,
@@ -127,7 +120,7 @@ def checkpoint_layer_outlier(stats: InspectStats) -> Iterator[Finding]:
                 f"{len(others)} siblings {template} have median {statistics.median(others):.4g} "
                 f"(robust z = {z:.1f}).",
                 params=[outlier.name],
-                location=_module(outlier.name),
+                location=module_of(outlier.name),
                 evidence={
                     "checkpoint": scan.path,
                     "template": template,
@@ -183,7 +176,7 @@ def quantization_risk(stats: InspectStats) -> Iterator[Finding]:
                 f"under {risk.scheme} ({risk.outliers} outlier(s) stretch its range "
                 f"{risk.range_ratio:.1f}x; {risk.zero_fraction:.0%} of its weights round to 0).",
                 params=[name],
-                location=_module(name),
+                location=module_of(name),
                 evidence=_risk_evidence(scan.path, risk),
                 severity=Severity.WARNING if risk.verdict == "broken" else Severity.INFO,
             )
@@ -196,7 +189,7 @@ def quantization_risk(stats: InspectStats) -> Iterator[Finding]:
                 f"{partner} under {risk.scheme}, leaves its weights {risk.effective_bits:.1f} "
                 f"effective bits ({risk.zero_fraction:.0%} round to 0).",
                 params=[name],
-                location=_module(name),
+                location=module_of(name),
                 evidence={**_risk_evidence(scan.path, risk), "quantized_with": partner},
                 severity=Severity.WARNING if risk.verdict == "broken" else Severity.INFO,
             )
@@ -238,9 +231,9 @@ def checkpoint_non_finite(stats: InspectStats) -> Iterator[Finding]:
         if bad:
             names = list(bad)
             yield get_rule("DW404").finding(
-                f"{len(names)} tensor(s) in {scan.path} hold NaN/Inf values: {_names(names)}.",
+                f"{len(names)} tensor(s) in {scan.path} hold NaN/Inf values: {name_list(names)}.",
                 params=names,
-                location=_module(names[0]),
+                location=module_of(names[0]),
                 evidence={"checkpoint": scan.path, "nonfinite": bad},
             )
 
@@ -295,7 +288,7 @@ def monotone_drift(stats: TrendStats) -> Iterator[Finding]:
             + (f", {rate:+.3g} per step" if rate is not None else "")
             + ".",
             params=[name],
-            location=_module(name),
+            location=module_of(name),
             evidence={
                 "values": [v for _, v in points],
                 "steps": steps,

@@ -6,11 +6,12 @@ import math
 import statistics
 from collections.abc import Iterator
 
-from deadweight.findings import Finding, Location, Severity
+from deadweight.findings import Finding, Severity
 from deadweight.homologous import homologous_groups, robust_outlier
 from deadweight.probes.watch_stats import ParamTrack, WatchStats
 from deadweight.registry import get_rule, rule
 from deadweight.rules._drift import noise_driven
+from deadweight.rules._wording import module_of, name_list
 
 # After this many optimizer steps a trainable parameter that is still bitwise what it
 # was is not learning: Adam moves every parameter with a gradient on step 1, and SGD
@@ -23,14 +24,6 @@ SKIPPED_WARN_MIN = 5
 # A parameter with a gradient on fewer than half of the steps learns at half speed or
 # less (a rarely routed expert): worth a warning; more often than that, information.
 INTERMITTENT_WARN_BELOW = 0.5
-
-
-def _names(names: list[str], n: int = 3) -> str:
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
-
-
-def _module(name: str) -> Location:
-    return Location(module=name.rpartition(".")[0])
 
 
 @rule(
@@ -83,9 +76,9 @@ def never_moved(stats: WatchStats) -> Iterator[Finding]:
         steps = max(t.steps for t in tracks)
         yield get_rule("DW301").finding(
             f"{len(names)} trainable parameter(s) are bitwise unchanged after {steps} optimizer "
-            f"steps ({_names(names)}): {cause}.",
+            f"steps ({name_list(names)}): {cause}.",
             params=names,
-            location=_module(names[0]),
+            location=module_of(names[0]),
             evidence={
                 "steps": steps,
                 "cause": cause,
@@ -151,7 +144,7 @@ def drift_without_gradient(stats: WatchStats) -> Iterator[Finding]:
             f"its gradient is {d.grad_ratio:.1e} of its {d.reference.split(' ')[0]}' "
             f"({d.grad_rms:.2e} vs {d.reference_grad_rms:.2e}): Adam is turning noise into steps.",
             params=[d.name],
-            location=_module(d.name),
+            location=module_of(d.name),
             evidence={
                 "steps": d.steps,
                 "drift_per_step": d.total_drift / d.steps,
@@ -243,7 +236,7 @@ def optimizer_state_reset(stats: WatchStats) -> Iterator[Finding]:
         elif reset.predicted:
             measured = f" Predicted amplification of noise-driven updates: {reset.predicted:.2f}x."
         who = (
-            f"including {_names(noisy)} whose gradient is noise"
+            f"including {name_list(noisy)} whose gradient is noise"
             if noisy
             else "none of them noise-driven"
         )
@@ -348,9 +341,9 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
         names = list(counts)
         yield get_rule("DW304").finding(
             f"{len(names)} parameter(s) had a gradient but were not updated on up to {worst} of "
-            f"{steps} steps ({cause}): {_names(names)}.",
+            f"{steps} steps ({cause}): {name_list(names)}.",
             params=names,
-            location=_module(names[0]),
+            location=module_of(names[0]),
             evidence={"cause": cause, "steps": steps, "skipped": counts, "share": share},
             severity=_skip_severity(worst, share),
         )
@@ -405,7 +398,7 @@ def non_finite(stats: WatchStats) -> Iterator[Finding]:
         + (f"; {len(names) - 1} more parameter(s) followed" if len(names) > 1 else "")
         + ".",
         params=names,
-        location=_module(name),
+        location=module_of(name),
         evidence={
             "first_step": step,
             "first_param": name,
@@ -459,9 +452,9 @@ def intermittent_gradient(stats: WatchStats) -> Iterator[Finding]:
         low = fractions[names[0]]
         yield get_rule("DW306").finding(
             f"{len(names)} parameter(s) got a gradient on only part of the steps "
-            f"({_names(names)}; the rarest on {low:.1%} of {max(t.steps for t in tracks)} steps).",
+            f"({name_list(names)}; the rarest on {low:.1%} of {max(t.steps for t in tracks)} steps).",
             params=names,
-            location=_module(names[0]),
+            location=module_of(names[0]),
             evidence={"fraction_with_grad": fractions},
             severity=severity,
         )
@@ -534,7 +527,7 @@ def layer_outlier(stats: WatchStats) -> Iterator[Finding]:
             f"siblings {template} have median {median:.4g} (robust z = {z:.1f}); it has stood "
             f"out since step {outlier.series.steps[k0]}.",
             params=[outlier.name],
-            location=_module(outlier.name),
+            location=module_of(outlier.name),
             evidence={
                 "template": template,
                 "statistic": kind,

@@ -11,12 +11,9 @@ from deadweight.probes.grad_flow import GradFlowStats
 from deadweight.probes.optimizer_groups import GroupInfo, OptimizerFacts
 from deadweight.registry import get_rule, rule
 from deadweight.rules._effective import Ineffective, at_risk
+from deadweight.rules._wording import module_of, name_list
 
 _NO_DECAY_ROLES = (param_roles.BIAS, param_roles.NORM_WEIGHT, param_roles.TAGGED)
-
-
-def _names(names: list[str], n: int = 3) -> str:
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 @rule(
@@ -52,9 +49,9 @@ def not_in_optimizer(stats: GradFlowStats) -> Iterator[Finding]:
         names = facts.not_in_optimizer
         yield get_rule("DW201").finding(
             f"{len(names)} trainable parameter(s) are in no param group of {facts.name} "
-            f"({_names(names)}), so they are never updated.",
+            f"({name_list(names)}), so they are never updated.",
             params=names,
-            location=Location(module=names[0].rpartition(".")[0]),
+            location=module_of(names[0]),
             evidence={"optimizer": facts.name, "groups": len(facts.groups)},
         )
 
@@ -95,7 +92,7 @@ def optimizer_stale_param(stats: GradFlowStats) -> Iterator[Finding]:
     if facts.duplicates:
         yield rule_.finding(
             f"{len(facts.duplicates)} parameter(s) are listed more than once in {facts.name} "
-            f"({_names(facts.duplicates)}), so each step updates them more than once.",
+            f"({name_list(facts.duplicates)}), so each step updates them more than once.",
             params=facts.duplicates,
             severity=Severity.ERROR,
         )
@@ -108,7 +105,7 @@ def optimizer_stale_param(stats: GradFlowStats) -> Iterator[Finding]:
     if facts.frozen_in_optimizer:
         names = facts.frozen_in_optimizer
         yield rule_.finding(
-            f"{len(names)} frozen parameter(s) are in {facts.name} ({_names(names)}); they "
+            f"{len(names)} frozen parameter(s) are in {facts.name} ({name_list(names)}); they "
             "never get a gradient.",
             params=names,
             severity=Severity.INFO,
@@ -335,7 +332,7 @@ def lr_zero(stats: GradFlowStats) -> Iterator[Finding]:
         if group.lr == 0 and not (group.initial_lr or 0) > 0 and group.names:
             yield get_rule("DW205").finding(
                 f"Param group {group.index} of {facts.name} has lr = 0: its "
-                f"{len(group.names)} parameter(s) never move ({_names(list(group.names))}).",
+                f"{len(group.names)} parameter(s) never move ({name_list(list(group.names))}).",
                 params=list(group.names),
                 evidence={"group": group.index, "lr": 0.0},
             )
@@ -380,12 +377,12 @@ def decay_on_no_decay_param(stats: GradFlowStats) -> Iterator[Finding]:
     if tagged:
         yield get_rule("DW206").finding(
             f"{len(tagged)} parameter(s) tagged _no_weight_decay are weight-decayed "
-            f"({_names(tagged)}).",
+            f"({name_list(tagged)}).",
             params=tagged,
             severity=Severity.WARNING,
         )
     if plain:
         yield get_rule("DW206").finding(
-            f"{len(plain)} bias / normalization weight(s) are weight-decayed ({_names(plain)}).",
+            f"{len(plain)} bias / normalization weight(s) are weight-decayed ({name_list(plain)}).",
             params=plain,
         )
