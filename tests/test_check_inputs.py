@@ -40,8 +40,8 @@ class Net(nn.Module):
         return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
 
 
-X = torch.randn(5, 4)
-Y = torch.randint(0, 2, (5,))
+X = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+Y = torch.randint(0, 2, (5,), generator=torch.Generator().manual_seed(2))
 
 
 def _loss(model: nn.Module) -> torch.Tensor:
@@ -373,7 +373,7 @@ def _tiny_gpt2() -> nn.Module:
     return GPT2LMHeadModel(config).train()
 
 
-IDS = torch.randint(0, 100, (2, 6))
+IDS = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(0))
 
 
 def test_model_output_with_loss_hints_at_loss_field() -> None:
