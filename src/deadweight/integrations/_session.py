@@ -44,6 +44,18 @@ def rank_path(path: str | os.PathLike[str] | None, rank: int, world_size: int) -
     return f"{stem}.rank{rank}{ext}"
 
 
+FORWARD_CHOICES = ("auto", "none", "tensorboard", "wandb")
+
+
+def checked_forward(forward: Any) -> Any:
+    """A callback's `forward=` option: one of FORWARD_CHOICES, or a writer/run object."""
+    if isinstance(forward, str) and forward not in FORWARD_CHOICES:
+        raise ValueError(
+            f"forward must be one of {', '.join(FORWARD_CHOICES)} or a writer/run, got {forward!r}"
+        )
+    return forward
+
+
 class WatchSession:
     """One watch per training run; `close` is idempotent (so is `Watch.close`)."""
 

@@ -20,14 +20,12 @@ import os
 from types import ModuleType
 from typing import Any
 
-from deadweight.integrations._session import WatchSession, torch_optimizer
+from deadweight.integrations._session import WatchSession, checked_forward, torch_optimizer
 from deadweight.integrations.forward import MAX_PARAMS
 from deadweight.report import Report
 from deadweight.watcher import Watch, exit_reason
 
 logger = logging.getLogger(__name__)
-
-FORWARD_CHOICES = ("auto", "none", "tensorboard", "wandb")
 
 
 def _import_lightning() -> tuple[ModuleType, ModuleType]:
@@ -70,12 +68,7 @@ class DeadweightCallback(pl.Callback):  # type: ignore[name-defined]
         max_forwarded: int = MAX_PARAMS,
     ) -> None:
         super().__init__()
-        if isinstance(forward, str) and forward not in FORWARD_CHOICES:
-            raise ValueError(
-                f"forward must be one of {', '.join(FORWARD_CHOICES)} or a writer/run, "
-                f"got {forward!r}"
-            )
-        self.forward = forward
+        self.forward = checked_forward(forward)
         self._session = WatchSession(
             logger, every=every, log=log, full=full, max_forwarded=max_forwarded
         )

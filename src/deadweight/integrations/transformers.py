@@ -27,14 +27,12 @@ from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback, WandbCallback
 from transformers.trainer_callback import CallbackHandler
 
-from deadweight.integrations._session import WatchSession
+from deadweight.integrations._session import WatchSession, checked_forward
 from deadweight.integrations.forward import MAX_PARAMS
 from deadweight.report import Report
 from deadweight.watcher import Watch, exit_reason
 
 logger = logging.getLogger(__name__)
-
-FORWARD_CHOICES = ("auto", "none", "tensorboard", "wandb")
 
 
 class DeadweightCallback(TrainerCallback):
@@ -60,12 +58,7 @@ class DeadweightCallback(TrainerCallback):
         forward: Any = "auto",
         max_forwarded: int = MAX_PARAMS,
     ) -> None:
-        if isinstance(forward, str) and forward not in FORWARD_CHOICES:
-            raise ValueError(
-                f"forward must be one of {', '.join(FORWARD_CHOICES)} or a writer/run, "
-                f"got {forward!r}"
-            )
-        self.forward = forward
+        self.forward = checked_forward(forward)
         self._session = WatchSession(
             logger, every=every, log=log, full=full, max_forwarded=max_forwarded
         )
