@@ -138,6 +138,7 @@ class _Bucket:
     ) -> None:
         self.device = device
         self.positions = positions  # indices into the monitor's parameter list
+        self.local = {pos: k for k, pos in enumerate(positions)}  # and back
         self.params = params
         n = len(params)
         f64: dict[str, Any] = {"device": device, "dtype": torch.float64}
@@ -578,8 +579,8 @@ class StepMonitor:
         for i in present:
             self.present_count[i] += 1
             self.present_window[i] += 1
-        for bucket in self.buckets:
-            local = {pos: k for k, pos in enumerate(bucket.positions)}
+        for bucket in self.buckets:  # (every step: the position map is built once)
+            local = bucket.local
             bucket.grads_before(self.step, [local[i] for i in present if i in local], self._amp)
 
     def _learning_rates(self) -> None:
