@@ -16,13 +16,16 @@ an error in the result, and the others are still measured.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from deadweight.homologous import layer_key
+from deadweight.probes import native_reduce
 from deadweight.probes.quantization import QuantRisk, Scheme, joint_risk, quant_risk
+from deadweight.probes.tensor_pass import default_threads, scan_tensor
 from deadweight.probes.tensor_stats import TensorStats, tensor_stats
 from deadweight.readers import Checkpoint, CheckpointError, TensorEntry, open_checkpoint, step_of
 
@@ -88,10 +91,16 @@ def _open(path: str, unsafe_pickle: bool, errors: list[str]) -> Checkpoint | Non
 
 
 def scan_checkpoint(
-    ckpt: Checkpoint, scheme: Scheme | None = None, progress: Progress | None = None
+    ckpt: Checkpoint,
+    scheme: Scheme | None = None,
+    progress: Progress | None = None,
+    threads: int | None = None,
 ) -> CheckpointScan:
-    """Statistics of every tensor; with a scheme, also its quantization risk (each
-    floating tensor is then read whole, once, and both are computed from it)."""
+    """Statistics of every tensor; with a scheme, also its quantization risk.
+
+    Each floating tensor is read once: by the native one-pass kernels on `threads` threads
+    (default: every core) where they apply, else in chunks by numpy/torch, or whole when a
+    scheme needs the whole tensor."""
     scan = CheckpointScan(ckpt.path, step_of(ckpt.path), optimizer=ckpt.optimizer)
     entries = ckpt.entries()
     if not entries and ckpt.optimizer is None:
@@ -110,25 +119,60 @@ def scan_checkpoint(
                 value = float(ckpt.array(entry).reshape(-1)[0])
                 if partner is not None and math.isfinite(value):
                     scalars_of.setdefault(partner.name, []).append((entry.name, value))
-    for entry in entries:
-        chunks: Iterable[np.ndarray] | None
-        if not entry.is_float:
-            chunks = None
-        elif scheme is None:
-            chunks = ckpt.chunks(entry)
-        else:
-            whole = ckpt.array(entry)
-            chunks = [whole]
-        stats = tensor_stats(entry.name, entry.shape, entry.dtype, entry.numel, chunks)
-        scan.tensors[entry.name] = stats
-        if scheme is not None and entry.is_float and not stats.nonfinite:
-            if entry.numel > 1:
-                scan.quant[entry.name] = quant_risk(whole, scheme)
-            for name, value in scalars_of.get(entry.name, []):
-                scan.joint[name] = (entry.name, joint_risk(value, whole, scheme))
-        if progress is not None:
-            progress(entry.name, entry.nbytes)
+    kernels = native_reduce.kernels()
+    threads = threads or default_threads()
+    pool = ThreadPoolExecutor(threads) if kernels is not None and threads > 1 else None
+    try:
+        for entry in entries:
+            _scan_entry(
+                ckpt, entry, scheme, scan, scalars_of.get(entry.name, []), kernels, pool, threads
+            )
+            if progress is not None:
+                progress(entry.name, entry.nbytes)
+    finally:
+        if pool is not None:
+            pool.shutdown()
     return scan
+
+
+def _scan_entry(
+    ckpt: Checkpoint,
+    entry: TensorEntry,
+    scheme: Scheme | None,
+    scan: CheckpointScan,
+    scalars: list[tuple[str, float]],
+    kernels: native_reduce.Kernels | None,
+    pool: ThreadPoolExecutor | None,
+    threads: int,
+) -> None:
+    fast = None
+    if entry.is_float and kernels is not None:
+        fast = scan_tensor(ckpt, entry, kernels, pool, threads, scheme)
+    whole: np.ndarray | None = None
+    risk: QuantRisk | None = None
+    if fast is not None:
+        stats, risk = fast
+    elif not entry.is_float:
+        stats = tensor_stats(entry.name, entry.shape, entry.dtype, entry.numel, None)
+    elif scheme is None:
+        stats = tensor_stats(entry.name, entry.shape, entry.dtype, entry.numel, ckpt.chunks(entry))
+    else:
+        whole = ckpt.array(entry)
+        stats = tensor_stats(entry.name, entry.shape, entry.dtype, entry.numel, [whole])
+    scan.tensors[entry.name] = stats
+    if scheme is None or not entry.is_float or stats.nonfinite:
+        return
+    if (risk is None and entry.numel > 1) or scalars:
+        # A scheme the one-pass kernels do not measure, or a layer scalar to quantize with
+        # this weight: both need the whole tensor, one at a time.
+        if whole is None:
+            whole = ckpt.array(entry)
+        if risk is None and entry.numel > 1:
+            risk = quant_risk(whole, scheme)
+        for name, value in scalars:
+            scan.joint[name] = (entry.name, joint_risk(value, whole, scheme))
+    if risk is not None:
+        scan.quant[entry.name] = risk
 
 
 def _largest_per_layer(entries: list[TensorEntry]) -> dict[str, TensorEntry]:

@@ -80,6 +80,7 @@ __all__ = [
     "fake_quantize",
     "joint_risk",
     "quant_risk",
+    "risk_of_worst_block",
     "verdict_for",
 ]
 
@@ -385,36 +386,57 @@ def quant_risk(values: np.ndarray, scheme: Scheme, *, bulk_quantile: float = 0.9
         family_of[ids] = f
         row_of[ids] = np.arange(len(ids))
     worst_id = int(np.argmax(ratio_of))  # the first of equals: the lowest block index
-    ratio_worst = float(ratio_of[worst_id])
     best_family, best_row = int(family_of[worst_id]), int(row_of[worst_id])
 
     zeros = nonzero = 0
-    worst_fq = np.empty(0)
-    for f, (blocks, bnd) in enumerate(zip(layout.families, bounds, strict=True)):
+    for blocks, bnd in zip(layout.families, bounds, strict=True):
         fq = _fake_quantize_blocks(blocks, bnd, scheme)
         nonzero += int(np.count_nonzero(blocks))
         zeros += int(np.count_nonzero((fq == 0) & (blocks != 0)))
-        if f == best_family:
-            worst_fq = fq[best_row]
+    return risk_of_worst_block(
+        scheme,
+        layout.families[best_family][best_row],
+        float(ratio_of[worst_id]),
+        worst_id,
+        zeros,
+        nonzero,
+        bulk_quantile=bulk_quantile,
+    )
 
-    block = layout.families[best_family][best_row]
-    bnd = bounds[best_family]
-    in_bulk = (block >= bnd.bulk_lo[best_row]) & (block <= bnd.bulk_hi[best_row])
-    bulk = block[in_bulk]
-    err = worst_fq[in_bulk] - bulk
+
+def risk_of_worst_block(
+    scheme: Scheme,
+    block: np.ndarray,
+    range_ratio: float,
+    block_index: int,
+    zero_rounded: int,
+    nonzero: int,
+    *,
+    bulk_quantile: float = 0.999,
+) -> QuantRisk:
+    """The QuantRisk of a tensor whose blocks were measured elsewhere (one streaming pass):
+    its worst block's values, range ratio and index, and over the whole tensor the non-zero
+    elements and how many of them quantize to zero. The worst block is fake-quantized here
+    for the measured error, as `quant_risk` does."""
+    values = _prepare(block).reshape(1, -1)
+    bnd = _bounds(values, scheme.symmetric, bulk_quantile)
+    fq = _fake_quantize_blocks(values, bnd, scheme)[0]
+    row = values[0]
+    in_bulk = (row >= bnd.bulk_lo[0]) & (row <= bnd.bulk_hi[0])
+    bulk = row[in_bulk]
+    err = fq[in_bulk] - bulk
     bulk_power = float(np.dot(bulk, bulk))
     measured = math.sqrt(float(np.dot(err, err)) / bulk_power) if bulk_power > 0 else 0.0
-
-    effective = scheme.bits - math.log2(ratio_worst)
+    effective = scheme.bits - math.log2(range_ratio)
     return QuantRisk(
         scheme=str(scheme),
         effective_bits=effective,
-        zero_fraction=zeros / nonzero if nonzero else 0.0,
-        worst_block=None if scheme.granularity == "tensor" else worst_id,
-        range_ratio=ratio_worst,
+        zero_fraction=zero_rounded / nonzero if nonzero else 0.0,
+        worst_block=None if scheme.granularity == "tensor" else block_index,
+        range_ratio=range_ratio,
         verdict=verdict_for(effective, scheme.bits),
         measured_error=measured,
-        outliers=int(block.size - np.count_nonzero(in_bulk)),
+        outliers=int(row.size - np.count_nonzero(in_bulk)),
     )
 
 

@@ -94,6 +94,8 @@ class Checkpoint(Protocol):
         self, entry: TensorEntry, max_bytes: int = DEFAULT_CHUNK_BYTES
     ) -> Iterator[np.ndarray]: ...
 
+    def raw_chunks(self, entry: TensorEntry, max_elements: int) -> Iterator[np.ndarray]: ...
+
     def array(self, entry: TensorEntry) -> np.ndarray: ...
 
     def close(self) -> None: ...
@@ -127,6 +129,13 @@ class ReaderBase:
 
     def close(self) -> None:
         pass
+
+    def raw_chunks(self, entry: TensorEntry, max_elements: int) -> Iterator[np.ndarray]:
+        """Like `chunks()`, in chunks of exactly `max_elements` (the last may be shorter), as
+        the elements are stored where the reader can hand them over without converting them:
+        bf16 as uint16 bits, fp8 as uint8 bits, the rest in their own numpy dtype. Readers
+        that convert anyway yield their converted chunks."""
+        return self.chunks(entry, max_elements * output_dtype(entry.dtype).itemsize)
 
     def array(self, entry: TensorEntry) -> np.ndarray:
         return assemble(entry, self.chunks(entry))

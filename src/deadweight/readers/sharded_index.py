@@ -79,6 +79,9 @@ class ShardedCheckpoint(ReaderBase):
     ) -> Iterator[np.ndarray]:
         return self._shards[entry.file].chunks(entry, max_bytes)
 
+    def raw_chunks(self, entry: TensorEntry, max_elements: int) -> Iterator[np.ndarray]:
+        return self._shards[entry.file].raw_chunks(entry, max_elements)
+
     def array(self, entry: TensorEntry) -> np.ndarray:
         return self._shards[entry.file].array(entry)
 
