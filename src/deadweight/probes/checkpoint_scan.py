@@ -147,11 +147,14 @@ def _scan_entry(
 ) -> None:
     fast = None
     if entry.is_float and kernels is not None:
-        fast = scan_tensor(ckpt, entry, kernels, pool, threads, scheme)
+        fast = scan_tensor(ckpt, entry, kernels, pool, threads, scheme, scalars)
     whole: np.ndarray | None = None
     risk: QuantRisk | None = None
     if fast is not None:
-        stats, risk = fast
+        stats, risk = fast.stats, fast.risk
+        if fast.joint is not None:
+            scan.joint.update((name, (entry.name, r)) for name, r in fast.joint.items())
+            scalars = []
     elif not entry.is_float:
         stats = tensor_stats(entry.name, entry.shape, entry.dtype, entry.numel, None)
     elif scheme is None:

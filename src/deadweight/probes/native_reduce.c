@@ -316,6 +316,68 @@ static inline vf vload_f16(const uint16_t *x, int64_t i) {
     }
 
 /*
+ * The block that starts one element earlier than an own block p[0 .. len-1] of a tensor cut
+ * into groups of `len`: the element before it (`pv`), then p[0 .. len-2]. That is the layout
+ * of the tensor quantized as one row with a scalar put in front of it (quantization.py's
+ * joint_risk). It reuses the own block's largest magnitude, grid and count of elements near
+ * it whenever the grid is the same (all but about 2 blocks in `len`), and adds to gj the
+ * change in zero-rounded elements relative to the own block.
+ */
+#define DEFINE_JOINT(NAME, SRC, VAL, LOAD)                                                  \
+    static inline int64_t rounds_##NAME(VAL v, VAL inv) {                                   \
+        const VAL scaled = v * inv;                                                         \
+        return (v != 0) & (scaled <= (VAL)0.5) & (scaled >= (VAL)-0.5);                     \
+    }                                                                                       \
+    static void joint_##NAME(const SRC *p, int64_t len, VAL pv, VAL top, int64_t near,      \
+                             VAL inv, double qmax, int64_t id, dw_groups *gj) {             \
+        const VAL last = LOAD(p, len - 1);                                                  \
+        const VAL al = last < 0 ? -last : last, ap = pv < 0 ? -pv : pv;                     \
+        VAL top_rest = top; /* largest magnitude of p[0 .. len-2] */                        \
+        if (!(al < top)) {                                                                  \
+            top_rest = 0;                                                                   \
+            for (int64_t k = 0; k + 1 < len; k++) {                                         \
+                const VAL v = LOAD(p, k), a = v < 0 ? -v : v;                               \
+                top_rest = a > top_rest ? a : top_rest;                                     \
+            }                                                                               \
+        }                                                                                   \
+        const VAL tj = ap > top_rest ? ap : top_rest;                                       \
+        int64_t near_j;                                                                     \
+        if (tj == top) { /* the same grid: adjust the own block's counts */                 \
+            gj->zero_rounded += rounds_##NAME(pv, inv) - rounds_##NAME(last, inv);          \
+            near_j = near - (al + al >= top) + (ap + ap >= top);                            \
+        } else {                                                                            \
+            double scale = (double)tj / qmax;                                               \
+            if (!(scale > 0)) scale = 1.0;                                                  \
+            const VAL inv_j = (VAL)(1.0 / scale);                                           \
+            int64_t own = 0, joint = rounds_##NAME(pv, inv_j);                              \
+            near_j = (ap + ap >= tj);                                                       \
+            for (int64_t k = 0; k < len; k++) {                                             \
+                const VAL v = LOAD(p, k), a = v < 0 ? -v : v;                               \
+                own += rounds_##NAME(v, inv);                                               \
+                if (k + 1 < len) {                                                          \
+                    joint += rounds_##NAME(v, inv_j);                                       \
+                    near_j += (a + a >= tj);                                                \
+                }                                                                           \
+            }                                                                               \
+            gj->zero_rounded += joint - own;                                                \
+        }                                                                                   \
+        VAL bulk = tj;                                                                      \
+        if (len > 1 && near_j == 1) {                                                       \
+            VAL second = (ap + ap >= tj) ? 0 : ap;                                          \
+            for (int64_t k = 0; k + 1 < len; k++) {                                         \
+                const VAL v = LOAD(p, k), a = v < 0 ? -v : v;                               \
+                if (!(a + a >= tj) && a > second) second = a;                               \
+            }                                                                               \
+            bulk = second;                                                                  \
+        }                                                                                   \
+        const double ratio = bulk > 0 ? fmax((double)tj / (double)bulk, 1.0) : 1.0;         \
+        if (ratio > gj->worst_ratio || gj->worst_block < 0) {                               \
+            gj->worst_ratio = ratio;                                                        \
+            gj->worst_block = id;                                                           \
+        }                                                                                   \
+    }
+
+/*
  * Moments plus symmetric per-group quantization of `rows` whole rows of `cols` elements,
  * cut into groups of `group` along each row (the last one shorter when `group` does not
  * divide `cols`). Only for groups too small for the bulk quantile to exclude anything, where
@@ -326,11 +388,15 @@ static inline vf vload_f16(const uint16_t *x, int64_t i) {
  * non-zero elements that round to 0 on the grid top sets, and decides whether top is dropped
  * from the bulk: top > 2 * second exactly when top is the only element with 2|x| >= top, and
  * then the second largest magnitude is the largest of the others.
+ *
+ * With `gj`, also the blocks of the tensor quantized behind a scalar (see DEFINE_JOINT); only
+ * when `cols == group`. `joint_prev` points at the element before x, or is NULL when x starts
+ * the tensor (that block holds the scalar; the caller measures it).
  */
 #define DEFINE_GROUPS(NAME, SRC, VAL, V, VM, W, MIN, MAX, ABS, HMAX, HSUM, VLOAD, LOAD)     \
     void dw_groups_##NAME(const SRC *x, int64_t rows, int64_t cols, int64_t group,          \
                           double qmax, int64_t first_block, double shift, dw_moments *m,    \
-                          dw_groups *g) {                                                   \
+                          dw_groups *g, const SRC *joint_prev, dw_groups *gj) {             \
         const VAL sh = (VAL)shift;                                                          \
         const int64_t per_row = (cols + group - 1) / group;                                 \
         ACC_STATE(VAL, V, VM)                                                               \
@@ -398,6 +464,9 @@ static inline vf vload_f16(const uint16_t *x, int64_t i) {
                     g->worst_ratio = ratio;                                                 \
                     g->worst_block = first_block + r * per_row + b;                         \
                 }                                                                           \
+                if (gj != NULL && (p > x || joint_prev != NULL))                            \
+                    joint_##NAME(p, len, p > x ? LOAD(p, -1) : LOAD(joint_prev, 0), top, near, \
+                                 inv, qmax, first_block + r * per_row + b, gj);             \
                 pending += len;                                                             \
                 if (pending >= FLUSH) {                                                     \
                     int ok;                                                                 \
@@ -421,6 +490,10 @@ DEFINE_MOMENTS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, vload_f32, 
 DEFINE_MOMENTS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vload_bf16, load_bf16)
 DEFINE_MOMENTS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vload_f16, load_f16)
 DEFINE_MOMENTS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, vload_f64, load_f64)
+DEFINE_JOINT(f32, float, float, load_f32)
+DEFINE_JOINT(bf16, uint16_t, float, load_bf16)
+DEFINE_JOINT(f16, uint16_t, float, load_f16)
+DEFINE_JOINT(f64, double, double, load_f64)
 DEFINE_GROUPS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, abs_vf, hmax_vf, hsum_vfm,
               vload_f32, load_f32)
 DEFINE_GROUPS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, abs_vf, hmax_vf, hsum_vfm,
@@ -431,4 +504,4 @@ DEFINE_GROUPS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, abs_vd, hm
               vload_f64, load_f64)
 
 /* Lets the loader check that it talks to the code it compiled. */
-int dw_abi_version(void) { return 1; }
+int dw_abi_version(void) { return 2; }

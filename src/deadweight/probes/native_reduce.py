@@ -30,7 +30,7 @@ from importlib import resources
 
 import numpy as np
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 # Seconds one compiler call may take; the file compiles in well under one.
 COMPILE_TIMEOUT = 120
 # Flag sets tried in order: the first one the compiler accepts is used. Native tuning picks
@@ -125,8 +125,16 @@ class Kernels:
         shift: float,
         moments: Moments,
         groups: Groups,
+        joint_prev: np.ndarray | None = None,
+        joint: Groups | None = None,
     ) -> None:
-        """Moments and symmetric per-group quantization of whole rows of `cols` elements."""
+        """Moments and symmetric per-group quantization of whole rows of `cols` elements.
+
+        With `joint` (only when cols == group), also the groups of the tensor put behind a
+        scalar: each starts one element earlier, `joint_prev` holding the element before
+        `data` (None at the start of the tensor, whose group holds the scalar)."""
+        if joint is not None and cols != group:
+            raise ValueError("the joint groups need one group per row")
         rows, rest = divmod(data.size, cols)
         if rest:
             raise ValueError(f"{data.size} elements are not whole rows of {cols}")
@@ -135,6 +143,8 @@ class Kernels:
             _pointer(data), ctypes.c_int64(rows), ctypes.c_int64(cols), ctypes.c_int64(group),
             ctypes.c_double(qmax), ctypes.c_int64(first_block), ctypes.c_double(shift),
             ctypes.byref(moments), ctypes.byref(groups),
+            None if joint_prev is None else _pointer(joint_prev),
+            None if joint is None else ctypes.byref(joint),
         )  # fmt: skip
 
 

@@ -77,6 +77,7 @@ __all__ = [
     "ENOUGH_BITS",
     "QuantRisk",
     "Scheme",
+    "block_measure",
     "fake_quantize",
     "joint_risk",
     "quant_risk",
@@ -402,6 +403,16 @@ def quant_risk(values: np.ndarray, scheme: Scheme, *, bulk_quantile: float = 0.9
         nonzero,
         bulk_quantile=bulk_quantile,
     )
+
+
+def block_measure(
+    values: np.ndarray, scheme: Scheme, *, bulk_quantile: float = 0.999
+) -> tuple[float, int]:
+    """One block's range ratio and how many of its non-zero elements quantize to 0."""
+    block = _prepare(values).reshape(1, -1)
+    bnd = _bounds(block, scheme.symmetric, bulk_quantile)
+    fq = _fake_quantize_blocks(block, bnd, scheme)
+    return float(_ratio(bnd)[0]), int(np.count_nonzero((fq == 0) & (block != 0)))
 
 
 def risk_of_worst_block(

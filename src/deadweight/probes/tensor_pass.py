@@ -17,13 +17,14 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
 
 from deadweight.probes.native_reduce import Groups, Kernels, Moments
-from deadweight.probes.quantization import QuantRisk, Scheme, risk_of_worst_block
+from deadweight.probes.quantization import QuantRisk, Scheme, block_measure, risk_of_worst_block
 from deadweight.probes.tensor_stats import TensorStats
 from deadweight.readers import Checkpoint, TensorEntry
 from deadweight.readers.base import fp8_table, widen
@@ -49,11 +50,18 @@ def default_threads() -> int:
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """Where the groups of a symmetric per-group scheme fall in the flat tensor."""
+    """Where the groups of a symmetric per-group scheme fall in the flat tensor.
 
-    cols: int  # elements per row of the (shape[0], -1) view; 1-D tensors are one row
+    When every row is whole groups (the usual case), each group is given to the kernels as a
+    row of its own: block numbers are unchanged (row-major), any chunk of whole groups can be
+    cut anywhere, and the blocks of the tensor put behind a layer scalar (`joint_risk`) can
+    be measured in the same pass."""
+
+    cols: int  # elements per row as the kernels see it
     group: int
     qmax: int
+    joint: bool  # the scalar-in-front layout has the same group size and can be measured
+    tail: int = 0  # a 1-D tensor's last, shorter group
 
     @property
     def per_row(self) -> int:
@@ -75,9 +83,24 @@ def group_plan(entry: TensorEntry, scheme: Scheme | None) -> GroupPlan | None:
     group = min(scheme.group_size, cols)
     # Only groups too small for the bulk quantile to exclude anything (quantization.py's
     # tiny blocks): their bulk needs the two largest magnitudes, nothing more.
-    if group * (1.0 - BULK_QUANTILE) >= 1.0 - 1e-9 or cols > CHUNK_ELEMENTS:
+    if group * (1.0 - BULK_QUANTILE) >= 1.0 - 1e-9:
         return None
-    return GroupPlan(cols, group, 2 ** (scheme.bits - 1) - 1)
+    qmax = 2 ** (scheme.bits - 1) - 1
+    if cols % group == 0:
+        return GroupPlan(group, group, qmax, joint=group == scheme.group_size)
+    if len(entry.shape) <= 1:  # one row: whole groups, then the short one
+        return GroupPlan(group, group, qmax, joint=False, tail=cols % group)
+    if cols > CHUNK_ELEMENTS:
+        return None
+    return GroupPlan(cols, group, qmax, joint=False)
+
+
+@dataclass
+class PassResult:
+    stats: TensorStats
+    risk: QuantRisk | None = None
+    # scalar name -> the risk of this tensor quantized as one row behind that scalar
+    joint: dict[str, QuantRisk] | None = None
 
 
 def _kind(entry: TensorEntry, raw: np.ndarray) -> str | None:
@@ -127,50 +150,120 @@ def scan_tensor(
     pool: Executor | None,
     threads: int,
     scheme: Scheme | None = None,
-) -> tuple[TensorStats, QuantRisk | None] | None:
-    """Statistics (and, for a group plan, the quantization risk) of one floating tensor in
-    one pass; None when the kernels cannot take it."""
+    scalars: Sequence[tuple[str, float]] = (),
+) -> PassResult | None:
+    """Statistics (and, for a group plan, the quantization risk, also behind each of
+    `scalars`) of one floating tensor in one pass; None when the kernels cannot take it."""
     plan = group_plan(entry, scheme)
+    joint = plan is not None and plan.joint and bool(scalars)
     unit = plan.cols if plan else 1
     per_chunk = max(unit, CHUNK_ELEMENTS // unit * unit)
-    moments, groups = Moments.empty(), Groups.empty()
-    worst_values: np.ndarray | None = None
+    moments, groups, behind = Moments.empty(), Groups.empty(), Groups.empty()
+    worst: np.ndarray | None = None
+    worst_behind: np.ndarray | None = None
+    head: np.ndarray | None = None  # the first group, raw: the scalar's group is built from it
+    previous: np.ndarray | None = None  # the last element of the previous chunk, raw
     shift: float | None = None
     done = 0
-    for raw in ckpt.raw_chunks(entry, per_chunk):
-        prepared = _as_kernel_input(entry, raw.reshape(-1))
-        if prepared is None or raw.size % unit:
+    for raw_chunk in ckpt.raw_chunks(entry, per_chunk):
+        raw = raw_chunk.reshape(-1)
+        prepared = _as_kernel_input(entry, raw)
+        last = done + raw.size == entry.numel
+        tail = plan.tail if plan is not None and last else 0
+        if prepared is None or (raw.size - tail) % unit:
             return None  # a reader that converts to a type the kernels lack, or cuts rows
         kind, data = prepared
+        if data.dtype != raw.dtype:
+            joint = False  # converted here (fp8): the element before a piece is not raw
         if shift is None:
             shift = _shift(entry, kind, data)
+            head = raw[:unit].copy()
         first_block = done // unit * (plan.per_row if plan else 0)
-        parts = _pieces(data.size, threads, unit)
-        jobs = [(kernels, kind, data[lo:hi], plan, shift, first_block, lo) for lo, hi in parts]
+        jobs = []
+        for lo, hi in _pieces(data.size - tail, threads, unit):
+            before = data[lo - 1 : lo] if lo else (None if previous is None else previous)
+            jobs.append((kernels, kind, data[lo:hi], plan, shift, first_block, lo, joint, before))
         if pool is None or len(jobs) == 1:
             results = [_reduce(*job) for job in jobs]
         else:
             results = [f.result() for f in [pool.submit(_reduce, *job) for job in jobs]]
-        before = groups.worst_block
-        for m, g in results:
+        if tail:
+            assert plan is not None
+            short = GroupPlan(tail, tail, plan.qmax, joint=False)
+            body = data.size - tail
+            block = first_block + body // unit
+            results.append(_reduce(kernels, kind, data[body:], short, shift, block, 0, False, None))
+        old, old_behind = groups.worst_block, behind.worst_block
+        for m, g, gj in results:
             moments.merge(m)
             groups.merge(g)
-        if plan is not None and groups.worst_block != before:
+            behind.merge(gj)
+        if plan is not None and groups.worst_block != old:
             # The worst block so far is in this chunk: keep its values for the error measurement.
-            local = plan.block_slice(groups.worst_block - first_block)
-            worst_values = widen(raw.reshape(-1)[local].copy(), entry.dtype)
+            worst = widen(
+                raw[plan.block_slice(groups.worst_block - first_block)].copy(), entry.dtype
+            )
+        if joint and behind.worst_block != old_behind:
+            start = (behind.worst_block - first_block) * unit  # the own block it overlaps
+            before_values = raw[start - 1 : start] if start else previous
+            assert before_values is not None
+            values = np.concatenate([before_values, raw[start : start + unit - 1]])
+            worst_behind = widen(values, entry.dtype)
+        previous = raw[-1:].copy()
         done += raw.size
     if shift is None or done != entry.numel:
         return None
-    stats = _stats(entry, moments, shift)
-    if plan is None or moments.nonfinite or worst_values is None:
-        return stats, None
+    result = PassResult(_stats(entry, moments, shift))
+    if plan is None or moments.nonfinite or worst is None:
+        return result
     assert scheme is not None
-    risk = risk_of_worst_block(
-        scheme, worst_values, groups.worst_ratio, groups.worst_block, groups.zero_rounded,
-        moments.count - moments.zeros, bulk_quantile=BULK_QUANTILE,
+    nonzero = moments.count - moments.zeros
+    result.risk = risk_of_worst_block(
+        scheme, worst, groups.worst_ratio, groups.worst_block, groups.zero_rounded, nonzero,
+        bulk_quantile=BULK_QUANTILE,
     )  # fmt: skip
-    return stats, risk
+    if joint and head is not None and previous is not None:
+        result.joint = {
+            name: _behind_scalar(
+                scheme, entry, value, head, previous, groups, behind, worst_behind, nonzero
+            )
+            for name, value in scalars
+        }
+    return result
+
+
+def _behind_scalar(
+    scheme: Scheme,
+    entry: TensorEntry,
+    scalar: float,
+    head: np.ndarray,
+    last: np.ndarray,
+    groups: Groups,
+    behind: Groups,
+    worst_behind: np.ndarray | None,
+    nonzero: int,
+) -> QuantRisk:
+    """`joint_risk(scalar, tensor, scheme)` from the pass: the scalar's group and the last
+    element's group measured here, the groups between them by the kernels."""
+    own_first = widen(head, entry.dtype)
+    first = np.concatenate([np.asarray([scalar], dtype=own_first.dtype), own_first[:-1]])
+    ratio_first, zeros_first = block_measure(first, scheme, bulk_quantile=BULK_QUANTILE)
+    _, zeros_own_first = block_measure(own_first, scheme, bulk_quantile=BULK_QUANTILE)
+    final = widen(last, entry.dtype)  # the tensor's last element, a group of its own
+    _, zeros_final = block_measure(final, scheme, bulk_quantile=BULK_QUANTILE)
+    # Groups 1 .. k-1 are the own groups, each one element earlier: the kernels added the
+    # difference in zero-rounded elements to the own groups' count.
+    zero_rounded = (
+        groups.zero_rounded - zeros_own_first + behind.zero_rounded + zeros_first + zeros_final
+    )
+    candidates = [(ratio_first, 0, first), (1.0, entry.numel // head.size, final)]
+    if behind.worst_block >= 0 and worst_behind is not None:
+        candidates.append((behind.worst_ratio, behind.worst_block, worst_behind))
+    ratio, index, values = max(candidates, key=lambda c: (c[0], -c[1]))
+    return risk_of_worst_block(
+        scheme, values, ratio, index, zero_rounded, nonzero + (scalar != 0),
+        bulk_quantile=BULK_QUANTILE,
+    )  # fmt: skip
 
 
 def _reduce(
@@ -181,15 +274,20 @@ def _reduce(
     shift: float,
     first_block: int,
     offset: int,
-) -> tuple[Moments, Groups]:
+    joint: bool,
+    before: np.ndarray | None,
+) -> tuple[Moments, Groups, Groups]:
     """One thread's piece of a chunk: `offset` elements into the chunk, whole rows."""
-    m, g = Moments.empty(), Groups.empty()
+    m, g, gj = Moments.empty(), Groups.empty(), Groups.empty()
     if plan is None:
         kernels.moments(kind, data, shift, m)
     else:
         first = first_block + offset // plan.cols * plan.per_row
-        kernels.groups(kind, data, plan.cols, plan.group, plan.qmax, first, shift, m, g)
-    return m, g
+        kernels.groups(
+            kind, data, plan.cols, plan.group, plan.qmax, first, shift, m, g,
+            before if joint else None, gj if joint else None,
+        )  # fmt: skip
+    return m, g, gj
 
 
 def _stats(entry: TensorEntry, m: Moments, shift: float) -> TensorStats:

@@ -1,0 +1,200 @@
+"""The one-pass native scan against the slow references: `quant_risk`, `joint_risk` and
+float64 statistics, exactly where the definitions are exact."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from deadweight.probes import native_reduce, tensor_pass
+from deadweight.probes.quantization import Scheme, joint_risk, quant_risk
+from deadweight.readers import open_checkpoint
+
+KERNELS = native_reduce.kernels()
+pytestmark = pytest.mark.skipif(
+    KERNELS is None and native_reduce.compiler() is None,
+    reason="no C compiler: the native kernels cannot be built here",
+)
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _kernels() -> native_reduce.Kernels:
+    assert KERNELS is not None, "a C compiler is there but the kernels did not build"
+    return KERNELS
+
+
+def _weights(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.02
+    flat = t.reshape(-1)
+    n = flat.numel()
+    # outliers at group edges and inside, exact zeros of both signs
+    for index, value in ((0, 3.0), (n - 1, -2.5), (n // 2, 0.9), (min(127, n - 1), 1.5)):
+        flat[index] = value
+    flat[1:n:37] = 0.0
+    flat[2:n:41] = -0.0
+    return t
+
+
+def _scan(
+    tmp_path: Path,
+    tensor: torch.Tensor,
+    scheme: str | None,
+    scalars: list[tuple[str, float]] = (),  # type: ignore[assignment]
+    threads: int = 2,
+) -> tuple[tensor_pass.PassResult, np.ndarray]:
+    path = str(tmp_path / "w.safetensors")
+    save_file({"w": tensor.contiguous()}, path)
+    with open_checkpoint(path) as ckpt, ThreadPoolExecutor(threads) as pool:
+        (entry,) = ckpt.entries()
+        result = tensor_pass.scan_tensor(
+            ckpt,
+            entry,
+            _kernels(),
+            pool,
+            threads,
+            Scheme.parse(scheme) if scheme else None,
+            scalars,
+        )
+        whole = ckpt.array(entry)
+    assert result is not None
+    return result, whole
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Many chunks per tensor, each split among threads: every boundary case is exercised.
+    monkeypatch.setattr(tensor_pass, "CHUNK_ELEMENTS", 1024 + 512)
+    monkeypatch.setattr(tensor_pass, "MIN_PIECE", 256)
+
+
+def _same_risk(got: object, want: object) -> None:
+    for field in ("scheme", "effective_bits", "zero_fraction", "worst_block", "range_ratio",
+                  "verdict", "measured_error", "outliers"):  # fmt: skip
+        assert getattr(got, field) == getattr(want, field), (field, got, want)
+
+
+SHAPES = [(48, 256), (33, 100), (5000,), (4096,), (3, 6, 64), (7, 128), (2, 3)]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("scheme", ["int4-group128", "int4-group16", "int8-group7", "int3-group1"])
+def test_group_risk_is_quant_risk_exactly(
+    tmp_path: Path, dtype: str, shape: tuple[int, ...], scheme: str
+) -> None:
+    tensor = _weights(shape, seed=len(shape) + shape[0]).to(DTYPES[dtype])
+    result, whole = _scan(tmp_path, tensor, scheme)
+    assert result.risk is not None
+    _same_risk(result.risk, quant_risk(whole, Scheme.parse(scheme)))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", [(48, 256), (4096,), (7, 128), (2, 384)], ids=str)
+@pytest.mark.parametrize("scheme", ["int4-group128", "int4-group64", "int8-group128"])
+def test_joint_risk_is_computed_in_the_same_pass_exactly(
+    tmp_path: Path, dtype: str, shape: tuple[int, ...], scheme: str
+) -> None:
+    tensor = _weights(shape, seed=7).to(DTYPES[dtype])
+    flat = tensor.view(-1)
+    # the largest magnitude of some groups on their last element: the joint group that
+    # starts one element earlier loses it (the rare path in the kernel)
+    flat[255::256] = 0.7
+    scalars = [("s.big", 56.25), ("s.zero", 0.0), ("s.neg", -0.01), ("s.one", 1.0)]
+    result, whole = _scan(tmp_path, tensor, scheme, scalars)
+    assert result.joint is not None
+    assert sorted(result.joint) == sorted(name for name, _ in scalars)
+    for name, value in scalars:
+        _same_risk(result.joint[name], joint_risk(value, whole, Scheme.parse(scheme)))
+
+
+def test_joint_falls_back_when_rows_are_not_whole_groups(tmp_path: Path) -> None:
+    result, _ = _scan(tmp_path, _weights((33, 100), 1).float(), "int4-group16", [("s", 5.0)])
+    assert result.risk is not None and result.joint is None  # the caller reads it whole
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("scheme", [None, "int4-group128"])
+def test_statistics_match_float64(tmp_path: Path, dtype: str, scheme: str | None) -> None:
+    tensor = (_weights((40, 256), 3) * 50 + 1.0).to(DTYPES[dtype])
+    result, whole = _scan(tmp_path, tensor, scheme)
+    ref = whole.astype(np.float64).reshape(-1)
+    stats = result.stats
+    assert stats.min == ref.min() and stats.max == ref.max()
+    assert stats.zeros == int(np.count_nonzero(ref == 0))
+    assert stats.nonfinite == 0
+    scale = math.sqrt(float(np.mean(ref * ref)))
+    assert stats.mean == pytest.approx(ref.mean(), abs=1e-6 * scale)
+    assert stats.std == pytest.approx(ref.std(), rel=1e-6)
+
+
+def test_small_spread_around_a_large_mean_keeps_its_std(tmp_path: Path) -> None:
+    # A norm gain of 1.0 +- 1e-4: squares about a shift near the mean, not about 0.
+    gen = torch.Generator().manual_seed(0)
+    tensor = 1.0 + 1e-4 * torch.randn(20000, generator=gen)
+    result, whole = _scan(tmp_path, tensor, None)
+    assert result.stats.std == pytest.approx(float(whole.astype(np.float64).std()), rel=1e-5)
+
+
+def test_nan_and_inf_are_counted_and_the_rest_is_measured(tmp_path: Path) -> None:
+    tensor = _weights((30, 128), 4).float()
+    flat = tensor.view(-1)
+    flat[5], flat[2000], flat[-1] = math.nan, math.inf, -math.inf
+    result, whole = _scan(tmp_path, tensor, "int4-group128")
+    ref = whole.reshape(-1).astype(np.float64)
+    finite = ref[np.isfinite(ref)]
+    assert result.stats.nonfinite == 3
+    assert result.stats.min == finite.min() and result.stats.max == finite.max()
+    assert result.stats.mean == pytest.approx(finite.mean(), abs=1e-9)
+    assert result.stats.std == pytest.approx(finite.std(), rel=1e-6)
+    assert result.risk is None  # undefined with NaN/Inf, as quant_risk says
+
+
+def test_squares_beyond_float_range_are_taken_in_double(tmp_path: Path) -> None:
+    tensor = torch.tensor([3e20, -2e20, 1e20, 0.0] * 600, dtype=torch.float32)
+    result, whole = _scan(tmp_path, tensor, None)
+    ref = whole.astype(np.float64)
+    assert result.stats.nonfinite == 0
+    assert result.stats.std == pytest.approx(ref.std(), rel=1e-9)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_every_16_bit_pattern_converts_exactly(dtype: str) -> None:
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    values = torch.from_numpy(bits.view(np.int16)).view(DTYPES[dtype]).double().numpy()
+    kind = "f16" if dtype == "float16" else "bf16"
+    raw = bits.view(np.float16) if dtype == "float16" else bits
+    kernels = _kernels()
+    for k in range(0, 1 << 16, 1):
+        m = native_reduce.Moments.empty()
+        kernels.moments(kind, raw[k : k + 1], 0.0, m)
+        if math.isfinite(values[k]):
+            assert (m.min, m.nonfinite) == (values[k], 0), hex(k)
+            assert math.copysign(1, m.sum) == math.copysign(1, values[k]) or values[k] == 0
+        else:
+            assert (m.count, m.nonfinite) == (0, 1), hex(k)
+
+
+def test_single_thread_and_many_threads_agree(tmp_path: Path) -> None:
+    tensor = _weights((64, 256), 9).bfloat16()
+    one, _ = _scan(tmp_path, tensor, "int4-group128", threads=1)
+    many, _ = _scan(tmp_path, tensor, "int4-group128", threads=3)
+    _same_risk(one.risk, many.risk)
+    assert (one.stats.min, one.stats.max, one.stats.zeros) == (
+        many.stats.min,
+        many.stats.max,
+        many.stats.zeros,
+    )
+    assert one.stats.mean == pytest.approx(many.stats.mean, abs=1e-9)
