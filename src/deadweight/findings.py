@@ -35,17 +35,28 @@ _RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
 
 @dataclass(frozen=True)
 class Location:
-    """Where a finding points: the user's source line and/or the module path in the model."""
+    """Where a finding points: the user's source line and/or the module path in the model.
+
+    `column` (1-based, in characters) and the end of the region (`end_line`, and
+    `end_column` one past the last character) are set by `deadweight lint`, whose
+    findings point into source text.
+    """
 
     file: str | None = None
     line: int | None = None
     function: str | None = None
     module: str | None = None
+    column: int | None = None
+    end_line: int | None = None
+    end_column: int | None = None
 
     def __str__(self) -> str:
         parts = []
         if self.file:
-            parts.append(f"{self.file}:{self.line}" if self.line else self.file)
+            position = f":{self.line}" if self.line else ""
+            if self.line and self.column:
+                position += f":{self.column}"
+            parts.append(self.file + position)
         if self.function:
             parts.append(f"in {self.function}")
         if self.module is not None:
@@ -53,12 +64,15 @@ class Location:
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "file": self.file,
             "line": self.line,
             "function": self.function,
             "module": self.module,
         }
+        if self.column is not None:  # only source-text findings have a region
+            out.update(column=self.column, end_line=self.end_line, end_column=self.end_column)
+        return out
 
 
 @dataclass(frozen=True)

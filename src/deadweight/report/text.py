@@ -24,8 +24,22 @@ def render(report: Report, console: Console | None = None) -> None:
     console = console or Console()
     console.print(_header(report))
     for finding in report.findings:
-        console.print(_finding_panel(finding))
+        if finding.location is not None and finding.location.column is not None:
+            # source findings print like compiler diagnostics so editors can jump to them
+            console.print(diagnostic_line(finding), soft_wrap=True)
+        else:
+            console.print(_finding_panel(finding))
     console.print(_footer(report))
+
+
+def diagnostic_line(finding: Finding) -> Text:
+    """`path:line:col: DW501 forward-gradient-cut: message`, one line."""
+    loc = finding.location
+    assert loc is not None
+    text = Text(f"{loc.file}:{loc.line}:{loc.column}: ", style="bold")
+    text.append(finding.code, style=_STYLE[finding.severity])
+    text.append(f" {finding.name}: {finding.message}")
+    return text
 
 
 def render_plain(report: Report, width: int = 100) -> str:
@@ -39,6 +53,8 @@ def _header(report: Report) -> Text:
     parts = [f"deadweight {report.kind}"]
     if "model" in subject:
         parts.append(f"{subject['model']}")
+    if "files" in subject:
+        parts.append(f"{subject['files']} file{'s' if subject['files'] != 1 else ''}")
     if "steps" in subject:
         parts.append(f"{subject['steps']} steps")
     if subject.get("optimizers"):
