@@ -13,3 +13,7 @@ class InputError(DeadweightError):
 
 class LossFnError(DeadweightError):
     """The user's loss function raised; the original exception is chained as `__cause__`."""
+
+
+class ConfigError(InputError):
+    """`[tool.deadweight]` in pyproject.toml is malformed; the message lists every problem."""
