@@ -11,6 +11,8 @@ Public API::
     with deadweight.watch(model, optimizer, log="run.jsonl") as w:  # during training
         train()
     print(w.report())
+
+    report = deadweight.lint_paths(["src/"])   # source patterns behind silent gradient bugs
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from deadweight.findings import Finding, Location, Severity
 from deadweight.fixes.param_groups import param_groups
 from deadweight.fixes.pin import PinHandle, pin
 from deadweight.forensics import diff_checkpoints, inspect_checkpoints, trend_checkpoints
+from deadweight.lint import lint_paths
 from deadweight.registry import Rule, all_rules, get_rule
 from deadweight.report import SCHEMA_VERSION, Report
 from deadweight.watcher import Watch, watch
@@ -44,6 +47,7 @@ __all__ = [
     "diff_checkpoints",
     "get_rule",
     "inspect_checkpoints",
+    "lint_paths",
     "param_groups",
     "pin",
     "trend_checkpoints",

@@ -13,6 +13,7 @@ from deadweight.cli import check as check_cmd
 from deadweight.cli import demo as demo_cmd
 from deadweight.cli import diff as diff_cmd
 from deadweight.cli import inspect as inspect_cmd
+from deadweight.cli import lint as lint_cmd
 from deadweight.cli import report as report_cmd
 from deadweight.cli import rules as rules_cmd
 from deadweight.cli import run as run_cmd
@@ -20,7 +21,8 @@ from deadweight.cli import trend as trend_cmd
 from deadweight.errors import DeadweightError
 
 SUBCOMMANDS = (
-    demo_cmd, check_cmd, run_cmd, report_cmd, inspect_cmd, diff_cmd, trend_cmd, rules_cmd,
+    demo_cmd, check_cmd, run_cmd, report_cmd, inspect_cmd, diff_cmd, trend_cmd, lint_cmd,
+    rules_cmd,
 )  # fmt: skip
 
 

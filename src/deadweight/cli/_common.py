@@ -13,9 +13,11 @@ from deadweight.report.text import render
 FAIL_ON_CHOICES = ("error", "warning", "info", "never")
 
 
-def add_report_options(parser: argparse.ArgumentParser) -> None:
+def add_report_options(
+    parser: argparse.ArgumentParser, formats: tuple[str, ...] = ("text", "json")
+) -> None:
     parser.add_argument(
-        "--format", choices=("text", "json"), default="text", help="output format (default: text)"
+        "--format", choices=formats, default="text", help="output format (default: text)"
     )
     parser.add_argument(
         "--fail-on",

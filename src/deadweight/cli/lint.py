@@ -1,0 +1,97 @@
+"""`deadweight lint PATH...`: the code behind silent gradient bugs, before a run starts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from deadweight.cli._common import add_report_options
+from deadweight.errors import InputError
+from deadweight.findings import Severity
+from deadweight.lint import AUTO, lint_paths
+from deadweight.report import Report
+from deadweight.report.sarif import render_sarif
+from deadweight.report.text import render
+
+HELP = "find the code behind silent gradient bugs in Python (PyTorch) and Rust (candle) sources"
+DESCRIPTION = (
+    HELP + ". Settings come from [tool.deadweight] in the nearest pyproject.toml; "
+    "'# deadweight: ignore[DW501]' (Python) or '// deadweight: ignore[DW511]' (Rust) "
+    "silences one line. Exit codes: 0 nothing at or above --fail-on, 1 something, "
+    "2 bad arguments or configuration, or no file could be read."
+)
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("lint", help=HELP, description=DESCRIPTION)
+    parser.add_argument(
+        "paths", nargs="*", default=["."], metavar="PATH",
+        help="Python (.py) and Rust (.rs) files, or directories to search (default: .)",
+    )  # fmt: skip
+    add_report_options(parser, formats=("text", "json", "sarif"))
+    parser.add_argument(
+        "--output", "-o", metavar="FILE", help="write the report to FILE instead of stdout"
+    )
+    parser.add_argument(
+        "--config", metavar="PYPROJECT",
+        help="read [tool.deadweight] from this pyproject.toml instead of the nearest one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--isolated", action="store_true", help="ignore every pyproject.toml (defaults only)"
+    )
+    parser.add_argument(
+        "--max-file-size", type=float, default=10.0, metavar="MIB",
+        help="larger files are reported instead of parsed (default: 10)",
+    )  # fmt: skip
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_file_size <= 0:
+        raise InputError("--max-file-size must be positive")
+    config = None if args.isolated else (args.config or AUTO)
+    try:
+        report = lint_paths(
+            args.paths,
+            select=args.select,
+            ignore=args.ignore,
+            config=config,
+            max_file_size=int(args.max_file_size * 2**20),
+        )
+    except ValueError as exc:  # an unknown rule in --select / --ignore
+        raise InputError(str(exc)) from None
+    _write(report, args)
+    errors = report.subject["errors"]
+    for error in errors:
+        where = error["file"] + "".join(
+            f":{error[k]}" for k in ("line", "column") if error.get(k) is not None
+        )
+        print(f"{where}: error: {error['message']}", file=sys.stderr)
+    if report.subject["files"] == 0:
+        if errors:
+            return 2
+        print("deadweight: warning: no Python (.py) or Rust (.rs) files found", file=sys.stderr)
+    fail_on = None if args.fail_on == "never" else Severity.parse(args.fail_on)
+    return 1 if report.failed(fail_on) else 0
+
+
+def _write(report: Report, args: argparse.Namespace) -> None:
+    if args.format == "sarif":
+        text = render_sarif(report)
+    elif args.format == "json":
+        text = report.to_json()
+    else:
+        text = None
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            if text is not None:
+                fh.write(text + "\n")
+            else:
+                render(report, Console(file=fh, no_color=True, highlight=False, width=200))
+    elif text is not None:
+        print(text)
+    else:
+        render(report, Console(highlight=False))
