@@ -182,7 +182,8 @@ class _Module:
                 starts.append(offset)
             self._line_starts = starts
         starts = self._line_starts
-        first = max(getattr(node, "lineno", 1) - 1, 0)
+        decorators = getattr(node, "decorator_list", None) or [node]
+        first = max(min(getattr(d, "lineno", 1) for d in decorators) - 1, 0)
         last = min(getattr(node, "end_lineno", None) or len(starts) - 1, len(starts) - 1)
         return text[starts[first] : starts[last]]
 
