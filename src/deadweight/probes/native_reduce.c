@@ -22,6 +22,8 @@
 /* Elements summed in float lanes before they are added into doubles: 128 per lane keeps the
  * float rounding of a flush near 1e-7 of its magnitude. */
 #define FLUSH 2048
+/* Groups whose grids are computed together between their two passes. */
+#define GROUP_BATCH 16
 
 typedef struct {
     double sum;     /* finite elements */
@@ -160,6 +162,57 @@ static inline float f32_from_bits(uint32_t bits) {
     return out;
 }
 
+/* The largest magnitude t with t * inv rounding to at most 0.5 (so to 0 on the grid): the
+ * product is monotone in t, so start from 0.5 / inv and step by one unit in the last place. */
+static inline float step_f(float x, int up) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits = up ? bits + 1 : bits - 1;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+static inline double step_d(double x, int up) {
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits = up ? bits + 1 : bits - 1;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+static inline float zero_bound_f(float inv) {
+    if (!(inv > 0) || isinf(inv)) return 0; /* inv = inf: 0 * inf is NaN, nothing rounds to 0 */
+    float t = 0.5f / inv;
+    /* t is within an ulp or two of the answer: fixed steps (no unpredictable branches),
+     * then a check, with the exact search only if they were not enough */
+    t = t * inv > 0.5f ? step_f(t, 0) : t;
+    t = t * inv > 0.5f ? step_f(t, 0) : t;
+    float up = step_f(t, 1);
+    t = up * inv <= 0.5f ? up : t;
+    up = step_f(t, 1);
+    t = up * inv <= 0.5f ? up : t;
+    if (!(t * inv <= 0.5f) || (!isinf(t) && step_f(t, 1) * inv <= 0.5f)) {
+        while (t > 0 && t * inv > 0.5f) t = step_f(t, 0);
+        while (!isinf(t) && step_f(t, 1) * inv <= 0.5f) t = step_f(t, 1);
+    }
+    return t;
+}
+static inline double zero_bound_d(double inv) {
+    if (!(inv > 0) || isinf(inv)) return 0;
+    double t = 0.5 / inv;
+    /* t is within an ulp or two of the answer: fixed steps (no unpredictable branches),
+     * then a check, with the exact search only if they were not enough */
+    t = t * inv > 0.5 ? step_d(t, 0) : t;
+    t = t * inv > 0.5 ? step_d(t, 0) : t;
+    double up = step_d(t, 1);
+    t = up * inv <= 0.5 ? up : t;
+    up = step_d(t, 1);
+    t = up * inv <= 0.5 ? up : t;
+    if (!(t * inv <= 0.5) || (!isinf(t) && step_d(t, 1) * inv <= 0.5)) {
+        while (t > 0 && t * inv > 0.5) t = step_d(t, 0);
+        while (!isinf(t) && step_d(t, 1) * inv <= 0.5) t = step_d(t, 1);
+    }
+    return t;
+}
+
 /* Scalar loads (group tails, the slow path). */
 static inline float load_f32(const float *x, int64_t i) { return x[i]; }
 static inline double load_f64(const double *x, int64_t i) { return x[i]; }
@@ -204,6 +257,28 @@ static inline vf vload_f16(const uint16_t *x, int64_t i) {
     vf value = (vf)magnitude * 0x1p112f;
     value = sel_vf((vfm)(magnitude >= 0x0f800000u), (vf)(magnitude | 0x7f800000u), value);
     return (vf)((vu32)value | ((u & 0x8000u) << 16));
+}
+
+/* Two vectors' worth of elements from x + i, in any order: every use is a reduction. bf16
+ * comes as 32-bit words holding two elements each, so one load, one shift and one mask give
+ * both vectors. */
+static inline void vload2_f32(const float *x, int64_t i, vf *a, vf *b) {
+    *a = vload_f32(x, i);
+    *b = vload_f32(x, i + VF_LANES);
+}
+static inline void vload2_f64(const double *x, int64_t i, vd *a, vd *b) {
+    *a = vload_f64(x, i);
+    *b = vload_f64(x, i + VD_LANES);
+}
+static inline void vload2_f16(const uint16_t *x, int64_t i, vf *a, vf *b) {
+    *a = vload_f16(x, i);
+    *b = vload_f16(x, i + VF_LANES);
+}
+static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
+    vu32 words;
+    memcpy(&words, x + i, sizeof words);
+    *a = (vf)(words << 16);
+    *b = (vf)(words & 0xffff0000u);
 }
 
 /* Element by element in double: the path for a flush holding NaN/Inf. */
@@ -290,7 +365,7 @@ static inline vf vload_f16(const uint16_t *x, int64_t i) {
     } while (0)
 
 /* Moments of n elements. */
-#define DEFINE_MOMENTS(NAME, SRC, VAL, V, VM, W, MIN, MAX, VLOAD, LOAD)                     \
+#define DEFINE_MOMENTS(NAME, SRC, VAL, V, VM, W, MIN, MAX, VLOAD2, LOAD)                    \
     DEFINE_SLOW(NAME, SRC, LOAD)                                                            \
     void dw_moments_##NAME(const SRC *x, int64_t n, double shift, dw_moments *m) {          \
         const VAL sh = (VAL)shift;                                                          \
@@ -301,7 +376,8 @@ static inline vf vload_f16(const uint16_t *x, int64_t i) {
             ACC_RESET(VAL, V, VM);                                                          \
             int64_t i = 0;                                                                  \
             for (; i + 2 * (W) <= len; i += 2 * (W)) {                                      \
-                const V v = VLOAD(p, i), w = VLOAD(p, i + (W));                             \
+                V v, w;                                                                     \
+                VLOAD2(p, i, &v, &w);                                                       \
                 ACC_ADD(MIN, MAX, VM, v, sh, lo, hi, s, q, z);                              \
                 ACC_ADD(MIN, MAX, VM, w, sh, lo2, hi2, s2, q2, z2);                         \
             }                                                                               \
@@ -393,28 +469,46 @@ static inline vf vload_f16(const uint16_t *x, int64_t i) {
  * when `cols == group`. `joint_prev` points at the element before x, or is NULL when x starts
  * the tensor (that block holds the scalar; the caller measures it).
  */
-#define DEFINE_GROUPS(NAME, SRC, VAL, V, VM, W, MIN, MAX, ABS, HMAX, HSUM, VLOAD, LOAD)     \
+#define DEFINE_GROUPS(NAME, SRC, VAL, V, VM, W, MIN, MAX, ABS, HMAX, HSUM, ZBOUND, VLOAD2, LOAD) \
     void dw_groups_##NAME(const SRC *x, int64_t rows, int64_t cols, int64_t group,          \
                           double qmax, int64_t first_block, double shift, dw_moments *m,    \
                           dw_groups *g, const SRC *joint_prev, dw_groups *gj) {             \
         const VAL sh = (VAL)shift;                                                          \
         const int64_t per_row = (cols + group - 1) / group;                                 \
+        const int64_t blocks = rows * per_row;                                              \
         ACC_STATE(VAL, V, VM)                                                               \
         ACC_RESET(VAL, V, VM);                                                              \
         VM rounded = (VM){};                                                                \
+        const int64_t zeros_before = m->zeros;                                              \
         int64_t pending = 0; /* elements accumulated since the last flush */                \
         const SRC *flush_start = x;                                                         \
-        for (int64_t r = 0; r < rows; r++) {                                                \
-            for (int64_t c = 0, b = 0; c < cols; c += group, b++) {                         \
-                const int64_t len = cols - c < group ? cols - c : group;                    \
-                const SRC *p = x + r * cols + c;                                            \
-                V t1 = (V){};                                                               \
+        const SRC *ptr[GROUP_BATCH];                                                        \
+        int64_t lens[GROUP_BATCH];                                                          \
+        VAL tops[GROUP_BATCH], invs[GROUP_BATCH], bounds[GROUP_BATCH];                      \
+        int64_t row = 0, col = 0; /* where the next block starts */                         \
+        for (int64_t first = 0; first < blocks; first += GROUP_BATCH) {                     \
+            const int nb = blocks - first < GROUP_BATCH ? (int)(blocks - first) : GROUP_BATCH; \
+            /* pass 1, from memory: moments, and each group's largest magnitude */          \
+            for (int j = 0; j < nb; j++) {                                                  \
+                const int64_t len = cols - col < group ? cols - col : group;                \
+                const SRC *p = x + row * cols + col;                                        \
+                ptr[j] = p;                                                                 \
+                lens[j] = len;                                                              \
+                col += group;                                                               \
+                if (col >= cols) {                                                          \
+                    col = 0;                                                                \
+                    row++;                                                                  \
+                }                                                                           \
+                V t1 = (V){}, t2 = (V){};                                                   \
                 VAL u1 = 0;                                                                 \
                 int64_t i = 0;                                                              \
-                for (; i + (W) <= len; i += (W)) {                                          \
-                    const V v = VLOAD(p, i);                                                \
+                for (; i + 2 * (W) <= len; i += 2 * (W)) {                                  \
+                    V v, w;                                                                 \
+                    VLOAD2(p, i, &v, &w);                                                   \
                     ACC_ADD(MIN, MAX, VM, v, sh, lo, hi, s, q, z);                          \
+                    ACC_ADD(MIN, MAX, VM, w, sh, lo2, hi2, s2, q2, z2);                     \
                     t1 = MAX(ABS(v), t1);                                                   \
+                    t2 = MAX(ABS(w), t2);                                                   \
                 }                                                                           \
                 for (; i < len; i++) {                                                      \
                     const VAL v = LOAD(p, i);                                               \
@@ -422,51 +516,8 @@ static inline vf vload_f16(const uint16_t *x, int64_t i) {
                     const VAL a = v < 0 ? -v : v;                                           \
                     u1 = a > u1 ? a : u1;                                                   \
                 }                                                                           \
-                VAL top = HMAX(t1);                                                         \
-                top = u1 > top ? u1 : top;                                                  \
-                double scale = (double)top / qmax;                                          \
-                if (!(scale > 0)) scale = 1.0;                                              \
-                const VAL inv = (VAL)(1.0 / scale);                                         \
-                VM near_top = (VM){};                                                       \
-                V rest = (V){};                                                             \
-                int64_t k = 0;                                                              \
-                for (; k + (W) <= len; k += (W)) {                                          \
-                    const V v = VLOAD(p, k);                                                \
-                    const V scaled = v * inv;                                               \
-                    rounded -= (VM)(v != 0) & (VM)(scaled <= (VAL)0.5) &                    \
-                               (VM)(scaled >= (VAL)-0.5);                                   \
-                    const V a = ABS(v);                                                     \
-                    const VM big = (VM)(a + a >= top);                                      \
-                    near_top -= big;                                                        \
-                    rest = MAX((V)((VM)a & ~big), rest);                                    \
-                }                                                                           \
-                int64_t near = 0, zero_rounded = 0;                                         \
-                VAL rest1 = 0;                                                              \
-                for (; k < len; k++) {                                                      \
-                    const VAL v = LOAD(p, k);                                               \
-                    const VAL scaled = v * inv;                                             \
-                    zero_rounded += (v != 0) & (scaled <= (VAL)0.5) & (scaled >= (VAL)-0.5); \
-                    const VAL a = v < 0 ? -v : v;                                           \
-                    if (a + a >= top)                                                       \
-                        near++;                                                             \
-                    else if (a > rest1)                                                     \
-                        rest1 = a;                                                          \
-                }                                                                           \
-                g->zero_rounded += zero_rounded;                                            \
-                near += HSUM(near_top);                                                     \
-                VAL bulk = top;                                                             \
-                if (len > 1 && near == 1) {                                                 \
-                    const VAL second = HMAX(rest);                                          \
-                    bulk = second > rest1 ? second : rest1;                                 \
-                }                                                                           \
-                const double ratio = bulk > 0 ? fmax((double)top / (double)bulk, 1.0) : 1.0; \
-                if (ratio > g->worst_ratio || g->worst_block < 0) {                         \
-                    g->worst_ratio = ratio;                                                 \
-                    g->worst_block = first_block + r * per_row + b;                         \
-                }                                                                           \
-                if (gj != NULL && (p > x || joint_prev != NULL))                            \
-                    joint_##NAME(p, len, p > x ? LOAD(p, -1) : LOAD(joint_prev, 0), top, near, \
-                                 inv, qmax, first_block + r * per_row + b, gj);             \
+                const VAL top = HMAX(MAX(t1, t2));                                          \
+                tops[j] = u1 > top ? u1 : top;                                              \
                 pending += len;                                                             \
                 if (pending >= FLUSH) {                                                     \
                     int ok;                                                                 \
@@ -477,6 +528,69 @@ static inline vf vload_f16(const uint16_t *x, int64_t i) {
                     pending = 0;                                                            \
                 }                                                                           \
             }                                                                               \
+            /* the batch's grids together: independent divisions overlap */                \
+            for (int j = 0; j < nb; j++) {                                                  \
+                double scale = (double)tops[j] / qmax;                                      \
+                scale = scale > 0 ? scale : 1.0;                                            \
+                invs[j] = (VAL)(1.0 / scale);                                               \
+            }                                                                               \
+            /* |v| <= bound exactly when v * inv rounds to 0; zeros are among them and are  \
+             * taken out of the total at the end */                                         \
+            for (int j = 0; j < nb; j++) bounds[j] = ZBOUND(invs[j]);                       \
+            /* pass 2, from L1: elements rounding to 0, and whether the top is alone */     \
+            for (int j = 0; j < nb; j++) {                                                  \
+                const SRC *p = ptr[j];                                                      \
+                const int64_t len = lens[j];                                                \
+                const VAL top = tops[j], bound = bounds[j], half = top * (VAL)0.5;          \
+                VM near_top = (VM){};                                                       \
+                int64_t k = 0;                                                              \
+                if (half + half == top) {                                                   \
+                    for (; k + 2 * (W) <= len; k += 2 * (W)) {                              \
+                        V v, w;                                                             \
+                        VLOAD2(p, k, &v, &w);                                               \
+                        const V a = ABS(v), b = ABS(w);                                     \
+                        rounded -= (VM)(a <= bound);                                        \
+                        rounded -= (VM)(b <= bound);                                        \
+                        near_top -= (VM)(a >= half);                                        \
+                        near_top -= (VM)(b >= half);                                        \
+                    }                                                                       \
+                } else { /* top / 2 is not exact (a subnormal top): compare 2|v| */         \
+                    for (; k + 2 * (W) <= len; k += 2 * (W)) {                              \
+                        V v, w;                                                             \
+                        VLOAD2(p, k, &v, &w);                                               \
+                        const V a = ABS(v), b = ABS(w);                                     \
+                        rounded -= (VM)(a <= bound);                                        \
+                        rounded -= (VM)(b <= bound);                                        \
+                        near_top -= (VM)(a + a >= top);                                        \
+                        near_top -= (VM)(b + b >= top);                                        \
+                    }                                                                       \
+                }                                                                           \
+                int64_t near = 0, below = 0;                                                \
+                for (; k < len; k++) {                                                      \
+                    const VAL v = LOAD(p, k), a = v < 0 ? -v : v;                           \
+                    below += a <= bound;                                                    \
+                    near += a + a >= top;                                                   \
+                }                                                                           \
+                g->zero_rounded += below;                                                   \
+                near += HSUM(near_top);                                                     \
+                double ratio = 1.0;                                                         \
+                if (len > 1 && near == 1) { /* top is alone: the bulk ends at the second */ \
+                    VAL second = 0;                                                         \
+                    for (int64_t e = 0; e < len; e++) {                                     \
+                        const VAL v = LOAD(p, e), a = v < 0 ? -v : v;                       \
+                        if (!(a + a >= top) && a > second) second = a;                      \
+                    }                                                                       \
+                    ratio = second > 0 ? fmax((double)top / (double)second, 1.0) : 1.0;    \
+                }                                                                           \
+                const int64_t id = first_block + first + j;                                 \
+                if (ratio > g->worst_ratio || g->worst_block < 0) {                         \
+                    g->worst_ratio = ratio;                                                 \
+                    g->worst_block = id;                                                    \
+                }                                                                           \
+                if (gj != NULL && (p > x || joint_prev != NULL))                            \
+                    joint_##NAME(p, len, p > x ? LOAD(p, -1) : LOAD(joint_prev, 0), top, near, \
+                                 invs[j], qmax, id, gj);                                    \
+            }                                                                               \
         }                                                                                   \
         if (pending) {                                                                      \
             int ok;                                                                         \
@@ -484,24 +598,26 @@ static inline vf vload_f16(const uint16_t *x, int64_t i) {
             if (!ok) slow_##NAME(flush_start, pending, (double)sh, m);                      \
         }                                                                                   \
         g->zero_rounded += HSUM(rounded);                                                   \
+        /* every zero was counted as rounding to 0: it is not a non-zero element */         \
+        g->zero_rounded -= m->zeros - zeros_before;                                         \
     }
 
-DEFINE_MOMENTS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, vload_f32, load_f32)
-DEFINE_MOMENTS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vload_bf16, load_bf16)
-DEFINE_MOMENTS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vload_f16, load_f16)
-DEFINE_MOMENTS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, vload_f64, load_f64)
+DEFINE_MOMENTS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, vload2_f32, load_f32)
+DEFINE_MOMENTS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vload2_bf16, load_bf16)
+DEFINE_MOMENTS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vload2_f16, load_f16)
+DEFINE_MOMENTS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, vload2_f64, load_f64)
 DEFINE_JOINT(f32, float, float, load_f32)
 DEFINE_JOINT(bf16, uint16_t, float, load_bf16)
 DEFINE_JOINT(f16, uint16_t, float, load_f16)
 DEFINE_JOINT(f64, double, double, load_f64)
-DEFINE_GROUPS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, abs_vf, hmax_vf, hsum_vfm,
-              vload_f32, load_f32)
-DEFINE_GROUPS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, abs_vf, hmax_vf, hsum_vfm,
-              vload_bf16, load_bf16)
-DEFINE_GROUPS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, abs_vf, hmax_vf, hsum_vfm,
-              vload_f16, load_f16)
-DEFINE_GROUPS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, abs_vd, hmax_vd, hsum_vdm,
-              vload_f64, load_f64)
+DEFINE_GROUPS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, abs_vf, hmax_vf, hsum_vfm, zero_bound_f,
+              vload2_f32, load_f32)
+DEFINE_GROUPS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, abs_vf, hmax_vf, hsum_vfm, zero_bound_f,
+              vload2_bf16, load_bf16)
+DEFINE_GROUPS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, abs_vf, hmax_vf, hsum_vfm, zero_bound_f,
+              vload2_f16, load_f16)
+DEFINE_GROUPS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, abs_vd, hmax_vd, hsum_vdm, zero_bound_d,
+              vload2_f64, load_f64)
 
 /* Lets the loader check that it talks to the code it compiled. */
-int dw_abi_version(void) { return 2; }
+int dw_abi_version(void) { return 3; }

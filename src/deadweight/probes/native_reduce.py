@@ -30,7 +30,7 @@ from importlib import resources
 
 import numpy as np
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 # Seconds one compiler call may take; the file compiles in well under one.
 COMPILE_TIMEOUT = 120
 # Flag sets tried in order: the first one the compiler accepts is used. Native tuning picks
