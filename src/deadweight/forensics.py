@@ -43,11 +43,14 @@ def inspect_checkpoints(
     select: Rules = None,
     ignore: Rules = None,
     progress: Progress | None = None,
+    threads: int | None = None,
 ) -> Report:
     """Per-tensor statistics, layer outliers (DW402), quantization risk under `scheme`
-    (DW403; None skips it) and non-finite values (DW404) of each checkpoint."""
+    (DW403; None skips it) and non-finite values (DW404) of each checkpoint.
+
+    Tensors are reduced on `threads` threads (default: every core the process may use)."""
     stats = scan.inspect_checkpoints(
-        paths, scheme=scheme, unsafe_pickle=unsafe_pickle, progress=progress
+        paths, scheme=scheme, unsafe_pickle=unsafe_pickle, progress=progress, threads=threads
     )
     subject = {
         "checkpoints": [s.path for s in stats.scans],

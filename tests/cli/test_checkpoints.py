@@ -111,6 +111,18 @@ def test_directory_without_checkpoints(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_threads_change_nothing_but_speed(run_dir: Path) -> None:
+    path = run_dir / "step-300.safetensors"
+    outputs = []
+    for threads in ("1", "3"):
+        result = dw("inspect", path, "--format", "json", "--threads", threads)
+        assert result.returncode == 0, result.stderr
+        outputs.append(json.loads(result.stdout)["subject"]["tensors"])
+    assert outputs[0] == outputs[1]
+    bad = dw("inspect", path, "--threads", "0")
+    assert bad.returncode == 2 and "threads must be at least 1" in bad.stderr
+
+
 def test_bogus_scheme_lists_the_accepted_forms(run_dir: Path) -> None:
     result = dw("inspect", run_dir / "step-0.safetensors", "--scheme", "bogus")
     assert result.returncode == 2

@@ -30,6 +30,13 @@ def add_parser(sub: Any) -> None:
         help="quantization scheme for DW403: int4, int8-channel, int4-group128, "
         f"int8-tensor-asym, ... or 'none' (default: {DEFAULT_SCHEME})",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="threads reducing tensors (default: every core this process may use)",
+    )
     add_checkpoint_options(parser)
     parser.set_defaults(run=run)
 
@@ -43,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
         with progress_bar() as progress:
             report = forensics.inspect_checkpoints(
                 paths, scheme=scheme, unsafe_pickle=args.unsafe_pickle, select=args.select,
-                ignore=args.ignore, progress=progress,
+                ignore=args.ignore, progress=progress, threads=args.threads,
             )  # fmt: skip
-    except ValueError as exc:  # a bad --scheme, --select or --ignore
+    except ValueError as exc:  # a bad --scheme, --threads, --select or --ignore
         raise InputError(str(exc)) from None
     return finish(report, args, errors, tensor_table(report), optimizer_table(report))

@@ -208,7 +208,10 @@ def inspect_checkpoints(
     scheme: str | Scheme | None = DEFAULT_SCHEME,
     unsafe_pickle: bool = False,
     progress: Progress | None = None,
+    threads: int | None = None,
 ) -> InspectStats:
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
     parsed = Scheme.parse(scheme) if isinstance(scheme, str) else scheme
     stats = InspectStats([], str(parsed) if parsed else "none")
     for path in paths:
@@ -216,7 +219,7 @@ def inspect_checkpoints(
         if ckpt is None:
             continue
         try:
-            stats.scans.append(scan_checkpoint(ckpt, parsed, progress))
+            stats.scans.append(scan_checkpoint(ckpt, parsed, progress, threads))
         except CheckpointError as exc:
             stats.errors.append(str(exc))
         finally:
