@@ -7,10 +7,15 @@ resident memory (VmHWM):
 
 * raw:   the fastest plain read-and-reduce of the same bytes: one np.memmap over the
          data section (header parsed here) and one max() per tensor;
+* raw-2t: the same split over two threads (numpy releases the GIL), for a machine
+         with two cores: the limit for a reader that uses both, as inspect does;
 * inspect: `deadweight.inspect_checkpoints([file], scheme=None)`: full per-tensor
          statistics (min, max, mean, std, zeros, NaN/Inf) in bounded memory;
-* inspect+int4: the same with the default quantization scheme (int4-group128),
-         which reads each tensor whole to analyse its blocks;
+* inspect+int4: the default `inspect`, with the quantization analysis (int4 per
+         group of 128), here also for every layer scalar quantized with its layer's
+         weight;
+* inspect-fallback: `inspect` without the native kernels (DEADWEIGHT_NATIVE=0):
+         numpy and torch only, what a machine without a C compiler gets;
 * peer:  `safetensors.torch.load_file` and per-tensor torch statistics.
 
 Figures: median over rounds of each variant's throughput / the raw variant's in the
@@ -48,11 +53,30 @@ VARIANTS = {
             a, b = info["data_offsets"]
             data[a:b].view(dtype[info["dtype"]]).max()
     """,
+    "raw-2t": """
+        import json, struct, numpy as np
+        from concurrent.futures import ThreadPoolExecutor
+        with open(PATH, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        dtype = {"F32": np.float32, "BF16": np.uint16}
+        data = np.memmap(PATH, dtype=np.uint8, mode="r", offset=8 + n)
+        views = [data[a:b].view(dtype[i["dtype"]]) for i in header.values()
+                 for a, b in [i["data_offsets"]]]
+        halves = [h for v in views for h in (v[: v.size // 2], v[v.size // 2 :]) if h.size]
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(np.max, halves))
+    """,
     "inspect": """
         import deadweight
         deadweight.inspect_checkpoints([PATH], scheme=None)
     """,
     "inspect+int4": """
+        import deadweight
+        deadweight.inspect_checkpoints([PATH])
+    """,
+    "inspect-fallback": """
         import deadweight
         deadweight.inspect_checkpoints([PATH])
     """,
@@ -95,6 +119,9 @@ def make_file(directory: str, dtype: torch.dtype, gigabytes: float) -> tuple[str
 
 def run(variant: str, path: str) -> dict[str, float]:
     body = textwrap.dedent(VARIANTS[variant])
+    env = dict(os.environ)
+    if variant == "inspect-fallback":
+        env["DEADWEIGHT_NATIVE"] = "0"
     imports = "import json"
     # Imports are outside the timing: deadweight and torch load once per process.
     if "deadweight" in body:
@@ -103,7 +130,7 @@ def run(variant: str, path: str) -> dict[str, float]:
         imports += "\nimport torch\nfrom safetensors.torch import load_file"
     code = RUNNER.format(imports=imports, body=body)
     done = subprocess.run(
-        [sys.executable, "-c", code, path], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code, path], capture_output=True, text=True, check=True, env=env
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -141,11 +168,16 @@ def main() -> None:
                     raw["seconds"] / r["seconds"]
                     for r, raw in zip(runs, results["raw"], strict=True)
                 ]
+                ratios_2t = [
+                    raw["seconds"] / r["seconds"]
+                    for r, raw in zip(runs, results["raw-2t"], strict=True)
+                ]
                 speed = statistics.median(size / r["seconds"] / 1e9 for r in runs)
                 rss = statistics.median(r["peak_rss_mb"] for r in runs)
                 print(
-                    f"  {variant:<13} {speed:6.2f} GB/s  {statistics.median(ratios):6.1%} of raw "
-                    f"(rounds {', '.join(f'{x:.2f}' for x in ratios)})  peak RSS {rss:6.0f} MB"
+                    f"  {variant:<16} {speed:6.2f} GB/s  {statistics.median(ratios):6.1%} of raw "
+                    f"(rounds {', '.join(f'{x:.2f}' for x in ratios)}), "
+                    f"{statistics.median(ratios_2t):6.1%} of raw-2t  peak RSS {rss:6.0f} MB"
                 )
             os.remove(path)
 
