@@ -22,6 +22,7 @@ from torch import nn
 def src(body: str) -> str:
     return HEADER + textwrap.dedent(body)
 
+
 # ------------------------------------------------------------------ DW501: cases that fire
 
 CUT_CASES = {
@@ -516,7 +517,9 @@ def build(model, weight_decay):
 """
 
 
-@pytest.mark.parametrize("source", [MEGATRON, NANOGPT, OTHER_FORMS], ids=["megatron", "nanogpt", "forms"])
+@pytest.mark.parametrize(
+    "source", [MEGATRON, NANOGPT, OTHER_FORMS], ids=["megatron", "nanogpt", "forms"]
+)
 def test_dw502_fires_at_the_rank_test(tmp_path: Path, source: str) -> None:
     source = HEADER + source
     report = lint_source(tmp_path, source)
@@ -532,8 +535,12 @@ def test_dw502_seed_position_and_fix(tmp_path: Path) -> None:
     assert "deadweight.param_groups" in finding.message + finding.fix
 
 
-@pytest.mark.parametrize("source", [NAME_BASED, SHAPE_CHECKS_NOT_ABOUT_DECAY], ids=["names", "shapes"])
-def test_dw502_quiet_on_name_based_groups_and_other_shape_checks(tmp_path: Path, source: str) -> None:
+@pytest.mark.parametrize(
+    "source", [NAME_BASED, SHAPE_CHECKS_NOT_ABOUT_DECAY], ids=["names", "shapes"]
+)
+def test_dw502_quiet_on_name_based_groups_and_other_shape_checks(
+    tmp_path: Path, source: str
+) -> None:
     assert lint_source(tmp_path, HEADER + source).by_code("DW502") == []
 
 

@@ -100,7 +100,10 @@ def test_seed_training_loop_fires_at_the_fused_calls(tmp_path: Path) -> None:
     assert norm.location.function == "Student::forward"
     assert "`self.norm` is a candle_nn RmsNorm" in norm.message
     assert "self.norm.forward_diff(&xs)" in norm.message
-    assert softmax.location.column == 20 and "candle_nn::ops::softmax(&xs, D::Minus1)" in softmax.message
+    assert (
+        softmax.location.column == 20
+        and "candle_nn::ops::softmax(&xs, D::Minus1)" in softmax.message
+    )
     assert loop_norm.location.function == "train" and "norm.forward_diff" in loop_norm.message
 
 

@@ -87,7 +87,7 @@ def discover(
     problems: list[SourceProblem] = []
     seen: set[tuple[int, int]] = set()
     for raw in inputs:
-        text = os.fspath(raw)
+        text = os.path.normpath(os.fspath(raw))  # "./a.py" and "src/../a.py" read as "a.py"
         try:
             info = os.stat(text)
         except OSError as exc:
@@ -128,7 +128,7 @@ def _walk(
             continue
         subdirs: list[tuple[str, frozenset[tuple[int, int]]]] = []
         for entry in entries:
-            path = entry.path
+            path = entry.path if directory != "." else entry.name
             try:
                 target = os.stat(path)  # follows links
             except OSError as exc:

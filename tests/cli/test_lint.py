@@ -1,0 +1,148 @@
+"""`deadweight lint`, end to end in subprocesses: diagnostics an editor can jump to, JSON and
+SARIF, exit codes 0/1/2, configuration errors, and bad files among good ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.lint_helpers import write
+
+TIMEOUT = 300  # generous: shared CI machines
+ENV = {**os.environ, "COLUMNS": "200"}
+
+CUT = """
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = self.enc(x)
+        return h * 2
+"""
+CLEAN = "import torch\n\n\ndef f(x):\n    return x.detach().cpu().numpy()\n"
+RUST = """
+use candle_nn::ops;
+
+fn attend(x: &candle::Tensor) -> candle::Result<candle::Tensor> {
+    ops::softmax_last_dim(x)
+}
+"""
+
+
+def dw(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deadweight", "lint", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=ENV,
+        cwd=cwd,
+    )
+
+
+def test_findings_print_as_diagnostics_and_exit_1(tmp_path: Path) -> None:
+    write(tmp_path, CUT, "model.py")
+    write(tmp_path, RUST, "attend.rs")
+    write(tmp_path, CLEAN, "clean.py")
+    result = dw(".", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stdout.splitlines() if re.match(r"^\S+:\d+:\d+: DW5", line)]
+    assert lines == [
+        "attend.rs:4:5: DW511 fused-op-no-backward: `ops::softmax_last_dim` records no backward "
+        "op: nothing before it gets a gradient when this runs in training. Use "
+        "candle_nn::ops::softmax(&xs, D::Minus1).",
+        lines[1],
+    ]
+    assert lines[1].startswith("model.py:11:14: DW501 forward-gradient-cut: `self.enc` (nn.Linear)")
+    assert "2 warnings" in result.stdout and "3 files" in result.stdout
+    assert result.stderr == ""
+
+
+def test_clean_exits_0_and_fail_on(tmp_path: Path) -> None:
+    write(tmp_path, CLEAN, "clean.py")
+    assert dw(tmp_path).returncode == 0
+    write(tmp_path, CUT, "model.py")
+    assert dw(tmp_path, "--fail-on", "error").returncode == 0
+    assert dw(tmp_path, "--fail-on", "never").returncode == 0
+    assert dw(tmp_path, "--ignore", "DW501").returncode == 0
+    assert dw(tmp_path, "--select", "DW502,DW504").returncode == 0
+
+
+def test_json_output(tmp_path: Path) -> None:
+    write(tmp_path, CUT, "model.py")
+    result = dw(tmp_path / "model.py", "--format", "json")
+    assert result.returncode == 1
+    data = json.loads(result.stdout)
+    assert data["kind"] == "lint" and data["subject"]["files"] == 1
+    (finding,) = data["findings"]
+    assert finding["code"] == "DW501" and finding["location"]["column"] == 14
+
+
+def test_sarif_written_to_a_file(tmp_path: Path) -> None:
+    write(tmp_path, CUT, "src/model.py")
+    out = tmp_path / "deadweight.sarif"
+    result = dw("src", "--format", "sarif", "--output", out, cwd=tmp_path)
+    assert result.returncode == 1 and result.stdout == ""
+    log = json.loads(out.read_text())
+    (res,) = log["runs"][0]["results"]
+    artifact = res["locations"][0]["physicalLocation"]["artifactLocation"]
+    assert artifact == {"uri": "src/model.py", "uriBaseId": "%SRCROOT%"}
+
+
+def test_bad_files_among_good_ones(tmp_path: Path) -> None:
+    write(tmp_path, CUT, "model.py")
+    write(tmp_path, "def broken(:\n", "broken.py")
+    (tmp_path / "latin.py").write_bytes(b"x = '\xe9'\n")
+    os.symlink(tmp_path, tmp_path / "loop")
+    result = dw(".", cwd=tmp_path)
+    assert result.returncode == 1  # findings from model.py; the rest are diagnostics
+    errors = sorted(result.stderr.splitlines())
+    assert errors[0].startswith("broken.py:1:") and ": error: syntax error" in errors[0]
+    assert errors[1].startswith("latin.py:1:6: error: not valid UTF-8")
+    assert errors[2].startswith("loop: error: symbolic link loop")
+    assert "model.py:11:14: DW501" in result.stdout
+
+
+def test_exit_2_when_nothing_could_be_read(tmp_path: Path) -> None:
+    write(tmp_path, "def broken(:\n", "broken.py")
+    result = dw(tmp_path / "broken.py")
+    assert result.returncode == 2 and "syntax error" in result.stderr
+    assert dw(tmp_path / "missing.py").returncode == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = dw(empty)
+    assert nothing.returncode == 0 and "no Python (.py) or Rust (.rs) files found" in nothing.stderr
+
+
+def test_usage_and_configuration_errors_exit_2(tmp_path: Path) -> None:
+    write(tmp_path, CLEAN, "clean.py")
+    bad_rule = dw(tmp_path, "--select", "DW599")
+    assert bad_rule.returncode == 2 and "unknown rule" in bad_rule.stderr
+    (tmp_path / "pyproject.toml").write_text('[tool.deadweight]\nignor = ["DW501"]\n')
+    bad_config = dw(tmp_path)
+    assert bad_config.returncode == 2
+    assert "unknown key 'ignor' (did you mean 'ignore'?)" in bad_config.stderr
+    assert dw(tmp_path, "--isolated").returncode == 0
+
+
+def test_configuration_from_pyproject(tmp_path: Path) -> None:
+    write(tmp_path, CUT, "pkg/model.py")
+    write(tmp_path, RUST, "pkg/serve.rs")
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.deadweight]\ninference-only = ["pkg/serve.rs"]\n\n'
+        '[tool.deadweight.per-file-ignores]\n"pkg/model.py" = ["forward-gradient-cut"]\n'
+    )
+    result = dw("pkg", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout
+    assert "no findings" in result.stdout

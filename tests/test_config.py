@@ -1,0 +1,141 @@
+"""`[tool.deadweight]`: found in the nearest pyproject.toml, validated all at once, and applied
+by `deadweight lint` (select, ignore, exclude, per-file-ignores, inference-only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import deadweight
+from deadweight import config
+from deadweight.config import Config, path_matches
+from deadweight.errors import ConfigError
+from tests.lint_helpers import write
+
+CHECKPOINTED = (
+    "import torch\n\ndef f(block, x):\n    return torch.utils.checkpoint.checkpoint(block, x)\n"
+)
+DECAY = "def groups(ps):\n    no_decay = [p for p in ps if p.ndim < 2]\n    return no_decay\n"
+
+
+def pyproject(directory: Path, body: str) -> Path:
+    path = directory / "pyproject.toml"
+    path.write_text('[project]\nname = "x"\n\n[tool.deadweight]\n' + body)
+    return path
+
+
+def test_load_reads_every_key(tmp_path: Path) -> None:
+    path = pyproject(tmp_path, """
+select = ["DW5"]
+ignore = ["reentrant-checkpoint"]
+exclude = ["vendor"]
+inference-only = ["serve/**", "src/model.rs::generate*"]
+
+[tool.deadweight.per-file-ignores]
+"tests/**" = ["DW501", "DW502"]
+""")  # fmt: skip
+    cfg = config.load(path)
+    assert cfg.root == tmp_path.resolve() and cfg.path == path
+    assert cfg.select == ("DW5",) and cfg.ignore == ("reentrant-checkpoint",)
+    assert cfg.exclude == ("vendor",)
+    assert cfg.per_file_ignores == (("tests/**", ("DW501", "DW502")),)
+    assert cfg.ignored_rules(tmp_path / "tests" / "unit" / "test_x.py") == ("DW501", "DW502")
+    assert cfg.ignored_rules(tmp_path / "src" / "x.py") == ()
+    assert cfg.inference_only_match(tmp_path / "serve" / "app.py", None) == "serve/**"
+    assert cfg.inference_only_match(tmp_path / "src" / "model.rs", "Model::generate_step")
+    assert cfg.inference_only_match(tmp_path / "src" / "model.rs", "Model::forward") is None
+    assert cfg.excludes(tmp_path / "a" / "vendor" / "b.py")
+
+
+def test_every_problem_is_reported_at_once_with_the_nearest_key(tmp_path: Path) -> None:
+    path = pyproject(tmp_path, """
+selct = ["DW501"]
+per_file_ignores = {}
+ignore = "DW501"
+select = ["DW599", "forward-gradient-cutt"]
+inference-only = ["::generate"]
+""")  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        config.load(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "unknown key 'selct' (did you mean 'select'?)" in message
+    assert "unknown key 'per_file_ignores' (did you mean 'per-file-ignores'?)" in message
+    assert "ignore must be a list" in message
+    assert "unknown rule 'DW599'" in message
+    assert "unknown rule 'forward-gradient-cutt' (did you mean 'forward-gradient-cut'?)" in message
+    assert "has no path pattern" in message
+
+
+def test_broken_toml_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "pyproject.toml"
+    path.write_text("[tool.deadweight\nselect = 1\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(path)
+
+
+def test_nearest_pyproject_with_a_deadweight_table(tmp_path: Path) -> None:
+    outer = pyproject(tmp_path, 'ignore = ["DW504"]\n')
+    inner = tmp_path / "pkg"
+    inner.mkdir()
+    (inner / "pyproject.toml").write_text('[project]\nname = "inner"\n')  # no [tool.deadweight]
+    deep = inner / "src" / "m.py"
+    deep.parent.mkdir()
+    deep.write_text("")
+    assert config.find_pyproject(deep) == outer
+    assert config.for_path(deep).ignore == ("DW504",)
+    assert config.find_pyproject(Path("/")) is None or config.find_pyproject(Path("/")) != outer
+
+
+@pytest.mark.parametrize(
+    "pattern,path,expected",
+    [
+        ("tests/**", "tests/a/b.py", True),
+        ("tests/**", "src/tests.py", False),
+        ("tests", "src/tests/x.py", True),  # no slash: a component at any depth
+        ("*.rs", "src/model.rs", True),
+        ("src/*.py", "src/a/b.py", True),  # the directory src/a does not match, but...
+        ("src/*.py", "src/b.py", True),
+        ("src/*/b.py", "src/a/b.py", True),
+        ("src/*.py", "lib/b.py", False),
+        ("**/gen_*.py", "a/b/gen_x.py", True),
+        ("serve", "serve/app.py", True),
+        ("./serve/", "serve/app.py", True),
+    ],
+)
+def test_path_patterns(pattern: str, path: str, expected: bool) -> None:
+    if (pattern, path) == ("src/*.py", "src/a/b.py"):
+        expected = False  # `*` stays within one component
+    assert path_matches(pattern, path) is expected
+
+
+def test_lint_applies_the_nearest_configuration(tmp_path: Path) -> None:
+    pyproject(tmp_path, """
+ignore = ["DW502"]
+exclude = ["generated"]
+
+[tool.deadweight.per-file-ignores]
+"legacy/*.py" = ["reentrant-checkpoint"]
+""")  # fmt: skip
+    write(tmp_path, CHECKPOINTED, "src/a.py")
+    write(tmp_path, DECAY, "src/b.py")
+    write(tmp_path, CHECKPOINTED, "legacy/c.py")
+    write(tmp_path, CHECKPOINTED, "generated/d.py")
+    report = deadweight.lint_paths([tmp_path])
+    assert [(Path(f.location.file).name, f.code) for f in report.findings] == [("a.py", "DW504")]
+    assert report.subject["files"] == 3  # generated/ was never entered
+    assert report.subject["config"] == [str(tmp_path / "pyproject.toml")]
+    # --select on the command line replaces the configured select; --ignore adds to it
+    again = deadweight.lint_paths([tmp_path], select=["DW502"])
+    assert [f.code for f in again.findings] == []  # still ignored by the configuration
+    isolated = deadweight.lint_paths([tmp_path], config=None)
+    assert sorted(f.code for f in isolated.findings) == ["DW502", "DW504", "DW504", "DW504"]
+
+
+def test_config_object_and_explicit_path(tmp_path: Path) -> None:
+    path = pyproject(tmp_path, 'select = ["DW502"]\n')
+    write(tmp_path, CHECKPOINTED + DECAY, "m.py")
+    assert [f.code for f in deadweight.lint_paths([tmp_path], config=path).findings] == ["DW502"]
+    own = Config(root=tmp_path, ignore=("DW5",))
+    assert deadweight.lint_paths([tmp_path], config=own).findings == ()
