@@ -393,6 +393,19 @@ HEALTHY = {
                     out = self.f(y)
                     torch.autograd.backward(out, grad)
     """,
+    "a scorer under no_grad that returns only top-k indices": """
+        class Indexer(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.wq = nn.Linear(4, 4)
+                self.wk = nn.Linear(4, 4)
+
+            @torch.no_grad()
+            def forward(self, x):
+                scores = self.wq(x) @ self.wk(x).transpose(-1, -2)
+                chosen = scores.argmax(-1)
+                return scores.topk(2, dim=-1).indices.to(torch.int32), chosen.long()
+    """,
     "scalar used in a condition and in math": """
         class M(nn.Module):
             def __init__(self):
@@ -750,3 +763,34 @@ def test_dw504_reentrant_really_drops_gradients_without_inputs_requiring_grad() 
     out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
     out.sum().backward()
     assert block.weight.grad is not None
+
+
+def test_dw501_agrees_with_autograd_on_transformers_layoutlmv3(tmp_path: Path) -> None:
+    """Real model code: the attributes DW501 names are exactly the parameters left without a
+    gradient by one backward through a tiny LayoutLMv3 (whatever this transformers has)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.layoutlmv3 import modeling_layoutlmv3
+
+    import deadweight
+
+    report = deadweight.lint_paths([modeling_layoutlmv3.__file__], config=None)
+    flagged = {
+        f"encoder.{a}.weight"
+        for f in report.by_code("DW501")
+        if f.evidence["class"] == "LayoutLMv3Encoder"
+        for a in f.evidence["attributes"]
+    }
+    config = transformers.LayoutLMv3Config(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, max_2d_position_embeddings=128,
+        coordinate_size=6, shape_size=4, has_relative_attention_bias=True,
+        has_spatial_attention_bias=True, visual_embed=False,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    model = transformers.LayoutLMv3Model(config)
+    ids = torch.randint(0, 100, (2, 8), generator=gen)
+    bbox = torch.randint(0, 60, (2, 8, 4), generator=gen)
+    bbox[..., 2:] += bbox[..., :2]
+    model(input_ids=ids, bbox=bbox).last_hidden_state.sum().backward()
+    missing = {n for n, p in model.named_parameters() if p.grad is None}
+    assert flagged == missing

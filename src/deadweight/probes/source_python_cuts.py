@@ -88,6 +88,16 @@ METADATA_METHODS = frozenset({
     "modules", "named_modules", "children", "state_dict", "extra_repr", "__len__",
     "register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
 })  # fmt: skip
+# Integer and boolean results carry no gradient, so nothing upstream of them is cut by
+# a later no_grad: top-k indices, argmax routing, masks, casts to integer types.
+INTEGER_METHODS = frozenset({
+    "argmax", "argmin", "argsort", "argwhere", "nonzero", "long", "int", "short", "byte", "bool",
+    "eq", "ne", "gt", "ge", "lt", "le", "isnan", "isinf", "isfinite", "logical_and",
+    "logical_or", "logical_not", "logical_xor", "bucketize", "searchsorted", "sign",
+})  # fmt: skip
+INTEGER_ATTRS = frozenset({"indices"})
+INTEGER_DTYPES = frozenset({"long", "int", "int8", "int16", "int32", "int64", "uint8", "bool",
+                            "short", "uint16", "uint32", "uint64"})  # fmt: skip
 NO_VALUE_FUNCS = frozenset({"len", "isinstance", "issubclass", "type", "id", "hasattr", "callable",
                             "print", "repr", "str", "format", "int", "bool", "range", "getattr",
                             "enumerate_", "hash", "dir", "vars"})  # fmt: skip
@@ -770,7 +780,7 @@ class _FunctionFlow:
         return EMPTY
 
     def attribute(self, node: ast.Attribute, env: dict[str, Tags], site: ast.AST | None) -> Tags:
-        if node.attr in METADATA_ATTRS:
+        if node.attr in METADATA_ATTRS or node.attr in INTEGER_ATTRS:
             return EMPTY
         if self.self_name is not None and _is_self(node.value, self.self_name):
             if node.attr in self.owner.attrs:
@@ -789,7 +799,7 @@ class _FunctionFlow:
         func = node.func
         if isinstance(func, ast.Attribute):
             attr = func.attr
-            if attr in METADATA_METHODS:
+            if attr in METADATA_METHODS or attr in INTEGER_METHODS or self._integer_cast(node):
                 return EMPTY
             if attr in CUT_METHODS:
                 self._note(node, CUT_METHODS[attr])
@@ -814,6 +824,8 @@ class _FunctionFlow:
                 return self._apply(self.owner.summary(attr), self.owner.methods[attr],
                                    node, env, site, method=True)  # fmt: skip
         dotted = self.source.resolve(func)
+        if dotted and dotted.startswith("torch.") and dotted[6:] in INTEGER_METHODS:
+            return EMPTY
         if isinstance(func, ast.Name):
             if func.id in NO_VALUE_FUNCS:
                 return EMPTY
@@ -828,6 +840,17 @@ class _FunctionFlow:
             self._note(node, "tensor rebuild")
             return self._args(node, env, node)
         return self.expr(func, env, site) | self._args(node, env, site)
+
+    def _integer_cast(self, node: ast.Call) -> bool:
+        """`x.to(torch.long)`, `x.to(dtype=torch.int32)`, `x.type(torch.bool)`."""
+        assert isinstance(node.func, ast.Attribute)
+        if node.func.attr not in ("to", "type"):
+            return False
+        for arg in [*node.args, *(k.value for k in node.keywords if k.arg == "dtype")]:
+            dotted = self.source.resolve(arg) or ""
+            if dotted.startswith("torch.") and dotted[6:] in INTEGER_DTYPES:
+                return True
+        return False
 
     def _args(self, node: ast.Call, env: dict[str, Tags], site: ast.AST | None) -> Tags:
         return frozenset().union(
