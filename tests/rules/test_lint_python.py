@@ -615,7 +615,7 @@ def fused_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 lib = torch.library.Library("mylib2", "DEF")
 lib.define("gelu_fast(Tensor x) -> Tensor")  # DW503
-lib.impl("gelu_fast", lambda x: x, "CPU")
+lib.impl("gelu_fast", lambda x: torch.from_numpy(x.detach().numpy() * 0.5), "CPU")  # a native kernel
 """
 
 AUTOGRAD_HEALTHY = """
@@ -692,6 +692,10 @@ def test_dw503_gaps_are_real(tmp_path: Path) -> None:
     y = torch.randn(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="no autograd formula"):
         module.fused_norm(y, torch.ones(3)).sum().backward()
+    z = torch.randn(3, requires_grad=True)
+    with pytest.warns(UserWarning, match="autograd kernel was not registered"):
+        (torch.ops.mylib2.gelu_fast(z) * 2).sum().backward()
+    assert z.grad is None
 
 
 def test_dw503_quiet_on_flags_indices_and_registered_ops(tmp_path: Path) -> None:
@@ -794,3 +798,37 @@ def test_dw501_agrees_with_autograd_on_transformers_layoutlmv3(tmp_path: Path) -
     model(input_ids=ids, bbox=bbox).last_hidden_state.sum().backward()
     missing = {n for n, p in model.named_parameters() if p.grad is None}
     assert flagged == missing
+
+
+QUANTIZED = """
+class QuantMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, scales, bias):
+        return x @ (weight.float() * scales).T + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None  # DW503
+
+
+class QuantLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, 4, dtype=torch.int8), requires_grad=False)
+        self.register_buffer("scales", torch.ones(4))
+        self.bias = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return QuantMatmul.apply(x, self.weight, self.scales, self.bias)
+"""
+
+
+def test_dw503_frozen_quantized_weight_is_fine_but_its_trainable_bias_is_not(
+    tmp_path: Path,
+) -> None:
+    source = src(QUANTIZED)
+    report = lint_source(tmp_path, source)
+    (finding,) = report.by_code("DW503")
+    assert finding.location.line == marked(source, "DW503")[0]
+    assert finding.location.column == 34  # the fourth None, for `bias`
+    assert "input 4 ('bias')" in finding.message and "receives self.bias" in finding.message

@@ -361,9 +361,10 @@ _AUTOGRAD_KEYS = ("Autograd", "CompositeImplicitAutograd")
 
 def find_autograd_gaps(source: Source) -> Iterator[AutogradGap]:
     functions: list[tuple[str, ast.ClassDef]] = []
-    apply_args: dict[str, list[list[ast.expr]]] = {}
+    apply_args: dict[str, list[tuple[str, list[ast.expr]]]] = {}  # Function -> (class, args)
     calls: list[tuple[str, ast.Call]] = []
     decorated: list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = []
+    untrainable: set[tuple[str, str]] = set()  # (class, attribute) that never needs a gradient
     for scope, node in functions_with_names(source.tree):
         if isinstance(node, ast.ClassDef) and any(
             source.resolve(b) in _FUNCTION_BASES for b in node.bases
@@ -374,11 +375,28 @@ def find_autograd_gaps(source: Source) -> Iterator[AutogradGap]:
             if isinstance(node.func, ast.Attribute) and node.func.attr == "apply":
                 owner = source.resolve(node.func.value)
                 if owner:
-                    apply_args.setdefault(owner.rsplit(".", 1)[-1], []).append(list(node.args))
+                    apply_args.setdefault(owner.rsplit(".", 1)[-1], []).append(
+                        (scope.split(".")[0], list(node.args))
+                    )
+            elif (
+                isinstance(node.func, ast.Attribute)
+                and node.func.attr == "register_buffer"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                untrainable.add((scope.split(".")[0], str(node.args[0].value)))
+        elif isinstance(node, ast.Assign) and _untrainable_value(source, node.value):
+            for target in node.targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                    untrainable.add((scope.split(".")[0], target.attr))
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.decorator_list:
             decorated.append((scope, node))
     for qualname, cls in functions:
-        yield from _function_gaps(source, qualname, cls, apply_args.get(cls.name, []))
+        applies = [
+            [None if _self_attribute(a, owner) in untrainable else a for a in args]
+            for owner, args in apply_args.get(cls.name, [])
+        ]
+        yield from _function_gaps(source, qualname, cls, applies)
     yield from _custom_op_gaps(source, calls, decorated)
 
 
@@ -404,7 +422,30 @@ def _is_none(node: ast.AST | None) -> bool:
     return node is None or (isinstance(node, ast.Constant) and node.value is None)
 
 
-def _parameter_like(arg: ast.expr) -> str | None:
+def _untrainable_value(source: Source, value: ast.AST) -> bool:
+    """`nn.Parameter(..., requires_grad=False)` or `nn.Buffer(...)`: frozen by construction."""
+    if not isinstance(value, ast.Call):
+        return False
+    dotted = source.resolve(value.func) or ""
+    if dotted.endswith("Buffer"):
+        return True
+    return dotted.endswith("Parameter") and any(
+        k.arg == "requires_grad" and isinstance(k.value, ast.Constant) and k.value.value is False
+        for k in value.keywords
+    )
+
+
+def _self_attribute(arg: ast.expr, owner: str) -> tuple[str, str] | None:
+    if (
+        isinstance(arg, ast.Attribute)
+        and isinstance(arg.value, ast.Name)
+        and arg.value.id == "self"
+    ):
+        return (owner, arg.attr)
+    return None
+
+
+def _parameter_like(arg: ast.expr | None) -> str | None:
     """Why a call argument looks like a trainable tensor (`self.weight`, `layer.bias`)."""
     if isinstance(arg, ast.Attribute) and (
         arg.attr in _TRAINABLE_INPUT_NAMES or arg.attr.endswith(("_weight", "_bias"))
@@ -414,7 +455,7 @@ def _parameter_like(arg: ast.expr) -> str | None:
 
 
 def _function_gaps(
-    source: Source, qualname: str, cls: ast.ClassDef, applies: list[list[ast.expr]]
+    source: Source, qualname: str, cls: ast.ClassDef, applies: list[list[ast.expr | None]]
 ) -> Iterator[AutogradGap]:
     forward, backward = _method(cls, "forward"), _method(cls, "backward")
     if forward is None or backward is None:
@@ -445,10 +486,12 @@ def _function_gaps(
             if k in reported or not _is_none(grad):
                 continue
             evidence = None
-            passed = [_parameter_like(args[k]) for args in applies if len(args) > k]
-            passed = [p for p in passed if p]
+            at_k = [args[k] for args in applies if len(args) > k]
+            passed = [p for p in map(_parameter_like, at_k) if p]
             if passed:
                 evidence = f"{cls.name}.apply receives {passed[0]} there"
+            elif None in at_k:
+                continue  # a frozen parameter or a buffer is passed there: no gradient needed
             elif name in _TRAINABLE_INPUT_NAMES or name.endswith(("_weight", "_bias")):
                 evidence = f"the input is named {name!r}"
             if evidence:
@@ -561,7 +604,7 @@ def _custom_op_gaps(
             continue
         yield AutogradGap(
             source.span(node), scope, kind, names[0],
-            "no autograd formula is registered for it in this file",
+            "no autograd formula registered in this file",
         )  # fmt: skip
 
 

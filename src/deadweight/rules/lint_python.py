@@ -164,8 +164,8 @@ def shape_based_decay(facts: PythonSourceFacts) -> Iterator[Finding]:
 _GAP_WORDING = {
     "all-backward-none": "{subject}: {detail}; every parameter upstream of it gets no gradient",
     "backward-none": "{subject}: {detail}, so that tensor gets no gradient through it",
-    "custom-op": "custom op {subject!r} (torch.library.custom_op) has {detail}: backward through it raises, or never runs",
-    "library-op": "op {subject!r} defined with torch.library has {detail}: backward through it warns once and leaves upstream gradients None",
+    "custom-op": "custom op {subject!r} (torch.library.custom_op) has {detail}: backward through it raises",
+    "library-op": "op {subject!r} defined with torch.library has {detail}: backward through it warns, and when its kernel runs outside autograd (C++, CUDA, Triton, numpy) leaves upstream gradients None",
     "non-differentiable": "{subject}: {detail}; nothing upstream of it gets a gradient",
 }
 
@@ -200,9 +200,10 @@ def autograd_gap(facts: PythonSourceFacts) -> Iterator[Finding]:
 
     ## Why is this bad
     Autograd trusts these declarations. A `None` gradient stops the chain there:
-    every parameter upstream of that input is skipped by the optimizer. A legacy
-    library op without autograd support warns once and then silently passes no
-    gradient; a `custom_op` without a formula raises only when backward reaches it.
+    every parameter upstream of that input is skipped by the optimizer. A library op
+    without an autograd implementation only warns at backward; when its kernel runs
+    outside autograd (C++, CUDA, Triton) no gradient passes it. A `custom_op` without
+    a formula raises only when backward reaches it.
 
     ## Example
     ```python
