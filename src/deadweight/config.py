@@ -117,8 +117,12 @@ def find_pyproject(start: str | Path) -> Path | None:
     return None
 
 
-@functools.lru_cache(maxsize=64)
 def _has_table(path: Path) -> bool:
+    return _has_table_cached(path, path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _has_table_cached(path: Path, mtime_ns: int) -> bool:
     try:
         return "deadweight" in _read_toml(path).get("tool", {})
     except ConfigError:

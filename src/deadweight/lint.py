@@ -111,15 +111,15 @@ def _config_for(raw: str | os.PathLike[str], config: Any) -> Config:
     return config_module.load(config)
 
 
-_CACHE: dict[str, Config] = {}
+_CACHE: dict[tuple[str, int], Config] = {}
 
 
 def _nearest(path: str) -> Config:
     found = config_module.find_pyproject(path)
     if found is None:
         return config_module.default()
-    key = str(found)
-    if key not in _CACHE or _CACHE[key].path != found:
+    key = (str(found), found.stat().st_mtime_ns)  # an edited file is read again
+    if key not in _CACHE:
         _CACHE[key] = config_module.load(found)
     return _CACHE[key]
 
