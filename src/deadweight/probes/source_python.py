@@ -19,7 +19,6 @@ import re
 import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 __all__ = ["PythonSourceFacts", "Span", "probe_python"]
 from deadweight.probes import suppressions
@@ -646,13 +645,3 @@ def find_checkpoints(source: Source) -> Iterator[CheckpointCall]:
             yield CheckpointCall(source.span(call), scope, str(callee), state)
     finally:
         source.imports = saved
-
-
-def describe(facts: PythonSourceFacts) -> dict[str, Any]:
-    """Counts of each kind of fact, for a report's subject."""
-    return {
-        "modules_with_cuts": len(facts.modules),
-        "rank_decay": len(facts.rank_decay),
-        "autograd_gaps": len(facts.autograd_gaps),
-        "checkpoints": len(facts.checkpoints),
-    }

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from deadweight.findings import Finding, Location, Severity
-from deadweight.probes.source_python import PythonSourceFacts, Span
+from deadweight.findings import Finding, Severity
+from deadweight.probes.source_python import PythonSourceFacts
 from deadweight.registry import get_rule, rule
+from deadweight.rules._source import location
 
 _CUT_WORDING = {
     "no_grad": "is read under `torch.no_grad()`",
@@ -22,17 +23,6 @@ _CUT_WORDING = {
     "tensor rebuild": "is copied into a new tensor (`{construct}`)",
     "new_tensor": "is copied into a new tensor (`new_tensor`)",
 }
-
-
-def location(path: str, span: Span, function: str | None) -> Location:
-    return Location(
-        file=path,
-        line=span.line,
-        function=function,
-        column=span.column,
-        end_line=span.end_line,
-        end_column=span.end_column,
-    )
 
 
 def _names(names: list[str]) -> str:

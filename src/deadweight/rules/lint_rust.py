@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from deadweight.findings import Finding, Severity
 from deadweight.probes.source_rust import RustSourceFacts
 from deadweight.registry import get_rule, rule
-from deadweight.rules.lint_python import location
+from deadweight.rules._source import location
 
 
 @rule(
