@@ -86,6 +86,26 @@ def test_a_library_of_another_version_is_not_loaded(
     assert native_reduce.kernels() is None
 
 
+@needs_compiler
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX ownership")
+def test_a_directory_others_can_write_is_never_used(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A cache directory anyone can write to (or a planted /tmp one): a library there could
+    # be anybody's, so nothing is loaded from it or built into it.
+    fresh.mkdir()
+    fresh.chmod(0o777)
+    shared_tmp = tmp_path / "tmp"
+    (shared_tmp / f"deadweight-{os.getuid()}").mkdir(parents=True)
+    (shared_tmp / f"deadweight-{os.getuid()}").chmod(0o777)
+    monkeypatch.setattr(native_reduce.tempfile, "gettempdir", lambda: str(shared_tmp))
+    assert native_reduce.kernels() is None
+    assert os.listdir(fresh) == []
+    fresh.chmod(0o700)
+    native_reduce.kernels.cache_clear()
+    assert native_reduce.kernels() is not None  # its own, private: used
+
+
 def test_kernels_refuse_arrays_they_cannot_read() -> None:
     loaded = native_reduce.kernels()
     if loaded is None:

@@ -235,7 +235,9 @@ def _build() -> str | None:
         for directory in (cache_dir(), os.path.join(tempfile.gettempdir(), private)):
             target = os.path.join(directory, name)
             if os.path.isfile(target):
-                return target
+                if _trusted(directory) and _trusted(target):
+                    return target
+                continue  # someone else could have put it there: never load it
             built = _compile(cc, flags, text, directory, target)
             if built == "flags":
                 break  # this compiler rejects these flags: try the next set
@@ -245,11 +247,24 @@ def _build() -> str | None:
     return None
 
 
+def _trusted(path: str) -> bool:
+    """Ours, and writable by nobody else: a library loaded from here runs as this user."""
+    if not hasattr(os, "getuid"):
+        return True  # no POSIX ownership to check (Windows): the user's own cache
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
 def _compile(
     cc: list[str], flags: tuple[str, ...], text: bytes, directory: str, target: str
 ) -> str:
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
+        if not _trusted(directory):
+            return "dir"  # shared or someone else's (a planted /tmp directory): not here
         work = tempfile.mkdtemp(prefix="build-", dir=directory)
     except OSError:
         return "dir"
