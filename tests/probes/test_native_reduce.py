@@ -106,6 +106,51 @@ def test_a_directory_others_can_write_is_never_used(
     assert native_reduce.kernels() is not None  # its own, private: used
 
 
+@needs_compiler
+@pytest.mark.skipif(native_reduce.platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+@pytest.mark.parametrize("flags", [("-O3", "-mavx2", "-mfma"), ("-O3",)], ids=["avx2", "sse2"])
+def test_narrower_vector_builds_give_the_same_answers(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch, flags: tuple[str, ...]
+) -> None:
+    """The kernel is written for any vector width: a build for an older CPU (AVX2, or
+    x86-64's baseline SSE2) must agree with this machine's native build."""
+    native = native_reduce.kernels()
+    assert native is not None
+    native_reduce.kernels.cache_clear()
+    monkeypatch.setattr(native_reduce, "FLAG_SETS", (flags,))
+    narrow = native_reduce.kernels()
+    assert narrow is not None and narrow.path != native.path
+    rng = np.random.default_rng(3)
+    values = (rng.standard_normal(64 * 128 + 77) * 0.02).astype(np.float32)
+    values[::97] = 0.0
+    values[5::131] = -0.0
+    values[300] = 9.0  # an outlier alone in its group
+    for kind, data in (
+        ("f32", values[: 64 * 128]),
+        ("f64", values[: 64 * 128].astype(np.float64)),
+        ("f16", values[: 64 * 128].astype(np.float16)),
+        ("bf16", (values[: 64 * 128].view(np.uint32) >> 16).astype(np.uint16)),
+    ):
+        results = []
+        for kernels in (native, narrow):
+            m, g, gj = (native_reduce.Moments.empty(), native_reduce.Groups.empty(),
+                        native_reduce.Groups.empty())  # fmt: skip
+            kernels.groups(kind, data, 128, 128, 7, 0, 0.0, m, g, data[:1], gj)
+            whole = native_reduce.Moments.empty()
+            kernels.moments(kind, values[: 64 * 128 + 77].astype(data.dtype) if kind != "bf16"
+                            else data, 0.0, whole)  # fmt: skip
+            results.append((m, g, gj, whole))
+        (m1, g1, j1, w1), (m2, g2, j2, w2) = results
+        for a, b in ((m1, m2), (w1, w2)):
+            assert (a.min, a.max, a.count, a.zeros, a.nonfinite) == (
+                b.min, b.max, b.count, b.zeros, b.nonfinite), kind  # fmt: skip
+            assert a.sum == pytest.approx(b.sum, rel=1e-5, abs=1e-6), kind
+            assert a.squares == pytest.approx(b.squares, rel=1e-5), kind
+        for a, b in ((g1, g2), (j1, j2)):
+            assert (a.worst_ratio, a.worst_block, a.zero_rounded) == (
+                b.worst_ratio, b.worst_block, b.zero_rounded), kind  # fmt: skip
+
+
 def test_kernels_refuse_arrays_they_cannot_read() -> None:
     loaded = native_reduce.kernels()
     if loaded is None:

@@ -108,6 +108,9 @@ typedef double vd2 __attribute__((vector_size(16)));
 typedef int64_t vl2 __attribute__((vector_size(16)));
 
 static inline float hmax_vf(vf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps((__m512)v);
+#else
     const char *p = (const char *)&v;
     vf4 m;
     memcpy(&m, p, 16);
@@ -120,7 +123,9 @@ static inline float hmax_vf(vf v) {
     float r = m[0];
     for (int j = 1; j < 4; j++) r = m[j] > r ? m[j] : r;
     return r;
+#endif
 }
+
 static inline double hmax_vd(vd v) {
     const char *p = (const char *)&v;
     vd2 m;
@@ -134,6 +139,9 @@ static inline double hmax_vd(vd v) {
     return m[1] > m[0] ? m[1] : m[0];
 }
 static inline int64_t hsum_vfm(vfm v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_epi32((__m512i)v);
+#else
     const char *p = (const char *)&v;
     vi4 t;
     memcpy(&t, p, 16);
@@ -143,7 +151,9 @@ static inline int64_t hsum_vfm(vfm v) {
         t += x;
     }
     return (int64_t)t[0] + t[1] + t[2] + t[3];
+#endif
 }
+
 static inline int64_t hsum_vdm(vdm v) {
     const char *p = (const char *)&v;
     vl2 t;
