@@ -57,6 +57,28 @@ def inspect_checkpoints(
         "scheme": stats.scheme,
         "tensors": {s.path: [t.to_dict() for t in s.tensors.values()] for s in stats.scans},
         "optimizer": {s.path: s.optimizer for s in stats.scans if s.optimizer},
+        # Per tensor under `scheme`, and per layer scalar quantized with its layer's largest
+        # weight, for the HTML report's chart (DW403 lists only the risky ones).
+        "quantization": {
+            s.path: {
+                name: {
+                    "effective_bits": r.effective_bits,
+                    "zero_fraction": r.zero_fraction,
+                    "verdict": r.verdict,
+                }
+                for name, r in s.quant.items()
+            }
+            | {
+                f"{name} with {partner}": {
+                    "effective_bits": r.effective_bits,
+                    "zero_fraction": r.zero_fraction,
+                    "verdict": r.verdict,
+                }
+                for name, (partner, r) in s.joint.items()
+            }
+            for s in stats.scans
+            if s.quant
+        },
         "errors": stats.errors,
     }
     return _judge("inspect", stats, InspectStats, subject, select, ignore)

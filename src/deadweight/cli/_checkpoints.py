@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
 
-from deadweight.cli._common import add_report_options, emit
+from deadweight.cli._common import add_html_option, add_report_options, emit
 from deadweight.readers import find_checkpoints
 from deadweight.report import Report
 
@@ -30,6 +30,7 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
         help="allow torch checkpoints that need arbitrary code to load (runs their pickle)",
     )
     add_report_options(parser)
+    add_html_option(parser)
 
 
 def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
@@ -51,7 +52,7 @@ def finish(
             if table is not None:
                 Console().print(table)
         subject = {k: v for k, v in report.subject.items() if k not in _HEADER_CLASHES}
-        code = emit(dataclasses.replace(report, subject=subject), args)
+        code = emit(dataclasses.replace(report, subject=subject), args, html_report=report)
     else:
         code = emit(report, args)
     for error in [*errors, *report.subject.get("errors", [])]:

@@ -7,6 +7,7 @@ import argparse
 from rich.console import Console
 
 from deadweight.findings import Severity
+from deadweight.probes.watch_stats import WatchStats
 from deadweight.report import Report
 from deadweight.report.text import render
 
@@ -39,7 +40,41 @@ def add_report_options(
     )
 
 
-def emit(report: Report, args: argparse.Namespace) -> int:
+def add_html_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--html",
+        metavar="REPORT.html",
+        type=_html_path,
+        help="also write the report as one self-contained HTML page with plots "
+        "(needs deadweight[html])",
+    )
+
+
+def _html_path(path: str) -> str:
+    # Checked when the arguments are parsed, before a check or a training run starts.
+    from deadweight.report.html import MISSING_EXTRA, plotly_available
+
+    if not plotly_available():
+        raise argparse.ArgumentTypeError(MISSING_EXTRA)
+    return path
+
+
+def emit(
+    report: Report,
+    args: argparse.Namespace,
+    stats: WatchStats | None = None,
+    *,
+    html_report: Report | None = None,
+) -> int:
+    """Print the report and write --html (of `html_report` when the printed one is
+    trimmed for the terminal); the exit code --fail-on asks for."""
+    if getattr(args, "html", None):
+        from deadweight.report.html import Section, write_html
+
+        full = html_report or report
+        label = str(full.subject.get("log") or getattr(args, "target", None) or full.kind)
+        notes = list(stats.problems) if stats is not None else []
+        write_html(args.html, [Section(label, full, stats, notes)])
     if args.format == "json":
         print(report.to_json())
     else:

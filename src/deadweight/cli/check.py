@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from deadweight.check_model import check
-from deadweight.cli._common import add_report_options, emit
+from deadweight.cli._common import add_html_option, add_report_options, emit
 from deadweight.errors import InputError, LossFnError
 
 HELP = "check a model: every trainable parameter gets a gradient, and where the graph is cut"
@@ -24,6 +24,7 @@ def add_parser(sub: Any) -> None:
         "(model, loss_fn) or (model, loss_fn, optimizer)",
     )
     add_report_options(parser)
+    add_html_option(parser)
     parser.set_defaults(run=run)
 
 

@@ -21,8 +21,8 @@ from types import FrameType
 from typing import Any
 
 import deadweight
-from deadweight.cli._common import add_report_options, emit
-from deadweight.cli.report import report_from_log
+from deadweight.cli._common import add_html_option, add_report_options, emit
+from deadweight.cli.report import load_log
 from deadweight.errors import InputError
 from deadweight.registry import Selection
 from deadweight.zero_code import ENV_EVERY, ENV_FULL, ENV_LOG
@@ -50,6 +50,7 @@ def add_parser(sub: Any) -> None:
         "--full", action="store_true", help="exact update norms of every parameter (copies them)"
     )
     add_report_options(parser)
+    add_html_option(parser)
     parser.set_defaults(run=run, fail_on="never")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command after --")
 
@@ -89,13 +90,13 @@ def run(args: argparse.Namespace) -> int:
         )
         return code
     try:
-        report = report_from_log(log, args.select, args.ignore)
+        ((report, stats),) = load_log(log, args.select, args.ignore)
     except Exception as exc:  # an empty log (killed at once) or a deadweight bug
         print(f"deadweight: no report: {exc}", file=sys.stderr)
         return code
     for problem in report.subject.get("problems", []):
         print(f"deadweight: note: {problem}", file=sys.stderr)
-    failed = emit(report, args)
+    failed = emit(report, args, stats)
     print(f"deadweight: event log {log}", file=sys.stderr)
     others = _other_logs(log)
     if others:

@@ -1,0 +1,657 @@
+"""One self-contained HTML file: summary, a filterable findings table, evidence plots.
+
+The plots are plotly figures with plotly.js inlined once in the page, so the file
+opens offline and can be mailed around. plotly is an optional dependency
+(`pip install 'deadweight[html]'`); the rest of deadweight never imports it.
+
+The renderer only draws what it is given: `Section`s, each a `Report` plus, for a
+watch log, the per-step `WatchStats` behind it. Long series are downsampled to at
+most `MAX_POINTS` per trace (each bucket keeps its lowest and highest point) and
+every flagged step (a reset, a first non-finite value, the step an outlier began)
+is kept.
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from deadweight._version import __version__
+from deadweight.errors import InputError
+from deadweight.findings import Finding, Severity
+from deadweight.probes.event_log import LOG_SCHEMA_VERSION
+from deadweight.probes.watch_stats import WatchStats
+from deadweight.registry import get_rule
+from deadweight.report import SCHEMA_VERSION, Report
+
+# 2000 points per trace: a 1000-pixel-wide plot shows no more, and 60 such plots
+# stay well under a second of plotly layout in the browser.
+MAX_POINTS = 2000
+# Parameters with a trajectory plot each; the rest are named in a note. A finding
+# that flags hundreds of parameters (a frozen model) would otherwise make the page slow.
+MAX_TRAJECTORIES = 60
+MAX_BARS = 400  # bars in one effective-bits chart (the lowest first)
+MISSING_EXTRA = "the HTML report needs plotly: pip install 'deadweight[html]'"
+
+_SEVERITY_COLOUR = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
+
+
+@dataclass
+class Section:
+    """One input of the report: a check, a watch run, or a checkpoint scan."""
+
+    label: str  # the file (and run) it came from
+    report: Report
+    stats: WatchStats | None = None  # per-step data, for a watch log
+    notes: list[str] = field(default_factory=list)  # problems met reading it
+
+
+def plotly_available() -> bool:
+    try:
+        import plotly  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def require_plotly() -> Any:
+    try:
+        import plotly  # noqa: F401
+        import plotly.graph_objects as go
+    except ImportError:
+        raise InputError(MISSING_EXTRA) from None
+    return go
+
+
+def write_html(path: str, sections: Sequence[Section], notes: Sequence[str] = ()) -> None:
+    text = render_html(sections, notes)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc}") from None
+
+
+def render_html(sections: Sequence[Section], notes: Sequence[str] = ()) -> str:
+    go = require_plotly()
+    from plotly.offline import get_plotlyjs
+
+    page = _Page(go)
+    body: list[str] = [_summary(sections, notes)]
+    rows: list[str] = []
+    codes: set[str] = set()
+    for index, section in enumerate(sections):
+        plots = page.section_plots(index, section)
+        for finding in section.report.findings:
+            codes.add(finding.code)
+            rows.append(_finding_row(finding, section.label, plots.anchor_for(finding)))
+        body.append(plots.html)
+    body.insert(1, _findings_table(rows, codes))
+    body.append(_rule_docs(codes))
+    return _PAGE.format(
+        title=html.escape("deadweight report: " + ", ".join(s.label for s in sections)),
+        style=_STYLE,
+        plotly=get_plotlyjs(),
+        body="\n".join(body),
+        script=_FILTER_SCRIPT,
+    )
+
+
+# -- summary and table ---------------------------------------------------------------------
+
+
+def _summary(sections: Sequence[Section], notes: Sequence[str]) -> str:
+    total = {s.value: 0 for s in Severity}
+    for section in sections:
+        for sev, n in section.report.counts().items():
+            total[sev] += n
+    counts = " ".join(
+        f'<span class="count sev-{sev}" data-count="{sev}">{n} {sev}</span>'
+        for sev, n in reversed(list(total.items()))
+    )
+    items = []
+    for section in sections:
+        c = section.report.counts()
+        found = ", ".join(f"{n} {sev}" for sev, n in reversed(list(c.items())) if n) or "clean"
+        items.append(
+            f"<li><b>{html.escape(section.label)}</b> — {html.escape(section.report.kind)}"
+            f"{html.escape(_subject_line(section))}: {found}</li>"
+        )
+    problems = [*notes, *(f"{s.label}: {n}" for s in sections for n in s.notes)]
+    problem_html = (
+        '<div class="problems"><b>Read with problems</b><ul>'
+        + "".join(f"<li>{html.escape(p)}</li>" for p in problems)
+        + "</ul></div>"
+        if problems
+        else ""
+    )
+    return (
+        '<section id="summary"><h1>deadweight report</h1>'
+        f'<p class="counts">{counts}</p><ul class="inputs">{"".join(items)}</ul>'
+        f"{problem_html}"
+        f'<p class="meta">deadweight {html.escape(__version__)} · report schema '
+        f"{SCHEMA_VERSION} · watch log schema {LOG_SCHEMA_VERSION}</p></section>"
+    )
+
+
+def _subject_line(section: Section) -> str:
+    s = section.report.subject
+    parts = []
+    if section.stats is not None:
+        parts.append(f"{section.stats.steps} steps, {len(section.stats.params)} parameters")
+        if not section.stats.complete:
+            parts.append("no end record (killed or still running)")
+    elif "parameters" in s:
+        parts.append(f"{s['parameters']} parameters")
+    if s.get("checkpoints"):
+        parts.append(", ".join(map(str, s["checkpoints"])))
+    if section.report.kind == "diff":
+        parts.append(f"{s.get('a')} → {s.get('b')}, {s.get('compared')} tensors compared")
+    if s.get("scheme"):
+        parts.append(f"scheme {s['scheme']}")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _finding_row(finding: Finding, label: str, anchor: str | None) -> str:
+    sev = finding.severity.value
+    params = ", ".join(finding.params[:6]) + (
+        f" … {len(finding.params) - 6} more" if len(finding.params) > 6 else ""
+    )
+    evidence = f'<a href="#{anchor}">plot</a>' if anchor else "—"
+    return (
+        f'<tr data-severity="{sev}" data-code="{finding.code}">'
+        f'<td class="sev-{sev}">{sev}</td>'
+        f'<td><a href="#rule-{finding.code}">{finding.code}</a> {html.escape(finding.name)}</td>'
+        f"<td>{html.escape(finding.message)}</td><td>{html.escape(params)}</td>"
+        f"<td>{html.escape(label)}</td><td>{evidence}</td></tr>"
+    )
+
+
+def _findings_table(rows: list[str], codes: set[str]) -> str:
+    sev_options = "".join(f'<option value="{s.value}">{s.value}</option>' for s in Severity)
+    code_options = "".join(f'<option value="{c}">{c}</option>' for c in sorted(codes))
+    body = "".join(rows) or '<tr class="empty"><td colspan="6">no findings</td></tr>'
+    return (
+        '<section id="findings"><h2>Findings</h2><div class="filters">'
+        '<label>severity <select id="filter-severity"><option value="">all</option>'
+        f"{sev_options}</select></label> "
+        '<label>rule <select id="filter-rule"><option value="">all</option>'
+        f'{code_options}</select></label> <span id="shown"></span></div>'
+        '<table id="findings-table"><thead><tr><th>severity</th><th>rule</th><th>message</th>'
+        "<th>parameters</th><th>input</th><th>evidence</th></tr></thead>"
+        f"<tbody>{body}</tbody></table></section>"
+    )
+
+
+def _rule_docs(codes: Iterable[str]) -> str:
+    parts = ['<section id="rules"><h2>Rules</h2>']
+    for code in sorted(codes):
+        try:
+            rule = get_rule(code)
+        except (KeyError, ValueError):  # a saved report from a newer deadweight
+            parts.append(f'<div id="rule-{code}"><h3>{code}</h3><p>not known to this version')
+            parts.append("</p></div>")
+            continue
+        parts.append(
+            f'<div class="rule" id="rule-{code}"><h3>{code} {html.escape(rule.name)}</h3>'
+            f"<p>{html.escape(rule.summary)}</p>"
+        )
+        for heading, text in rule.sections().items():
+            parts.append(f"<h4>{html.escape(heading)}</h4><pre>{html.escape(text.strip())}</pre>")
+        parts.append("</div>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+# -- plots ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plots:
+    html: str = ""
+    by_finding: dict[int, str] = field(default_factory=dict)  # id(finding) -> div id
+    by_param: dict[str, str] = field(default_factory=dict)
+
+    def anchor_for(self, finding: Finding) -> str | None:
+        if id(finding) in self.by_finding:
+            return self.by_finding[id(finding)]
+        for name in finding.params:
+            if name in self.by_param:
+                return self.by_param[name]
+        return None
+
+
+class _Page:
+    def __init__(self, go: Any) -> None:
+        self.go = go
+        self.count = 0
+
+    def figure_html(self, figure: Any, div_id: str, title: str, height: int = 360) -> str:
+        import plotly.io as pio
+
+        figure.update_layout(
+            title=title, height=height, margin={"l": 60, "r": 20, "t": 50, "b": 40}, template="none"
+        )
+        self.count += 1
+        return (
+            f'<div class="plot" data-plot="{div_id}">'
+            + pio.to_html(
+                figure,
+                full_html=False,
+                include_plotlyjs=False,
+                div_id=div_id,
+                config={"displaylogo": False, "responsive": True},
+            )
+            + "</div>"
+        )
+
+    def section_plots(self, index: int, section: Section) -> _Plots:
+        plots = _Plots()
+        parts: list[str] = []
+        kind = section.report.kind
+        prefix = f"s{index}"
+        if section.stats is not None:
+            parts.extend(self._watch(prefix, section, plots))
+        if kind == "inspect":
+            parts.extend(self._inspect(prefix, section.report, plots))
+        if kind == "diff":
+            parts.extend(self._diff(prefix, section.report, plots))
+        if kind == "trend":
+            parts.extend(self._trend(prefix, section.report, plots))
+        if not parts:
+            parts.append("<p>No per-step or per-tensor data in this input to plot.</p>")
+        title = f"{html.escape(section.label)} ({html.escape(kind)})"
+        plots.html = (
+            f'<section class="input" id="{prefix}"><h2>{title}</h2>{"".join(parts)}</section>'
+        )
+        return plots
+
+    # -- watch logs ------------------------------------------------------------------------
+
+    def _watch(self, prefix: str, section: Section, plots: _Plots) -> list[str]:
+        stats = section.stats
+        assert stats is not None
+        out: list[str] = [
+            '<p class="note">The watch log records parameter statistics, not the loss: '
+            "there is no loss curve to draw for this run.</p>"
+        ]
+        findings = section.report.findings
+        for k, finding in enumerate(findings):
+            values = finding.evidence.get("values")
+            if isinstance(values, dict) and len(values) > 1:
+                div = f"{prefix}-f{k}-layers"
+                flagged = set(finding.params)
+                title = (
+                    f"{finding.code}: {finding.evidence.get('template', 'siblings')} "
+                    f"({finding.evidence.get('statistic', 'value')})"
+                )
+                out.append(self._layer_bars(div, title, values, flagged))
+                plots.by_finding[id(finding)] = div
+        flagged_names: list[str] = []
+        for finding in findings:
+            for name in finding.params:
+                if name in stats.params and name not in flagged_names:
+                    flagged_names.append(name)
+        reset_steps = sorted({r.step for r in stats.resets})
+        drift = {
+            name: f.evidence
+            for f in findings
+            if f.code == "DW302"
+            for name in f.params
+            if isinstance(f.evidence.get("drift_per_step"), (int, float))
+        }
+        for name in flagged_names[:MAX_TRAJECTORIES]:
+            div = f"{prefix}-p-{_slug(name)}"
+            out.append(self._trajectory(div, stats, name, reset_steps, drift.get(name)))
+            plots.by_param[name] = div
+        rest = flagged_names[MAX_TRAJECTORIES:]
+        if rest:
+            out.append(
+                f'<p class="note">{len(rest)} more flagged parameters have no plot here '
+                f"(the first {MAX_TRAJECTORIES} do): {html.escape(', '.join(rest[:50]))}"
+                f"{' …' if len(rest) > 50 else ''}</p>"
+            )
+        return out
+
+    def _trajectory(
+        self,
+        div: str,
+        stats: WatchStats,
+        name: str,
+        reset_steps: list[int],
+        drift: Any,
+    ) -> str:
+        from plotly.subplots import make_subplots
+
+        track = stats.params[name]
+        s = track.series
+        steps = np.asarray(s.steps, dtype=np.int64)
+        keep_steps = set(reset_steps) | set(track.nonfinite.values())
+        has_values = bool(s.value) and len(s.value) == len(s.steps)
+        if has_values:
+            primary = np.array([_first(v) for v in s.value], dtype=np.float64)
+            primary_label = "value" if track.numel == 1 else "first element"
+        else:
+            primary = _floats(s.param_norm)
+            primary_label = "‖θ‖"
+        figure = make_subplots(
+            rows=2,
+            cols=1,
+            shared_xaxes=True,
+            vertical_spacing=0.08,
+            subplot_titles=(
+                f"{primary_label} per step",
+                "update size against gradient size (log)",
+            ),
+        )
+        go = self.go
+        idx = downsample(primary, steps, keep_steps)
+        figure.add_trace(
+            go.Scatter(
+                x=steps[idx], y=_json_floats(primary[idx]), name=primary_label, mode="lines"
+            ),
+            row=1,
+            col=1,
+        )
+        if drift is not None and len(steps):
+            rate = float(drift["drift_per_step"])
+            start = float(drift.get("first_value", primary[0]))
+            sign = 1.0
+            last = drift.get("last_value")
+            if isinstance(last, (int, float)) and last < start:
+                sign = -1.0
+            ends = np.array([steps[0], steps[-1]], dtype=np.float64)
+            figure.add_trace(
+                go.Scatter(
+                    x=ends,
+                    y=start + sign * rate * (ends - ends[0]),
+                    name=f"steady drift {rate:.3g}/step (DW302)",
+                    mode="lines",
+                    line={"dash": "dash"},
+                ),
+                row=1,
+                col=1,
+            )
+        for label, series in (("‖update‖", s.update_norm), ("grad RMS", s.grad_rms)):
+            y = _floats(series)
+            if not np.isfinite(y).any():
+                continue
+            pick = downsample(y, steps, keep_steps)
+            figure.add_trace(
+                go.Scatter(x=steps[pick], y=_json_floats(y[pick]), name=label, mode="lines"),
+                row=2,
+                col=1,
+            )
+        figure.update_yaxes(type="log", row=2, col=1)
+        for step in reset_steps:
+            figure.add_vline(x=step, line={"color": "#8e24aa", "dash": "dot"})
+        if reset_steps:
+            figure.add_trace(
+                go.Scatter(
+                    x=reset_steps,
+                    y=[None] * len(reset_steps),
+                    name="optimizer-state reset",
+                    mode="markers",
+                    marker={"color": "#8e24aa"},
+                ),
+                row=1,
+                col=1,
+            )
+        return self.figure_html(figure, div, name, height=480)
+
+    def _layer_bars(self, div: str, title: str, values: dict[str, Any], flagged: set[str]) -> str:
+        names = sorted(values, key=_natural)
+        colours = ["#c62828" if n in flagged else "#90a4ae" for n in names]
+        ys = [v if isinstance(v, (int, float)) and math.isfinite(v) else None for v in
+              (values[n] for n in names)]  # fmt: skip
+        labels = [_layer_label(n) for n in names]
+        figure = self.go.Figure(
+            self.go.Bar(
+                x=labels,
+                y=ys,
+                marker={"color": colours},
+                text=[
+                    f"{v:.4g}" if n in flagged and v is not None else ""
+                    for n, v in zip(names, ys, strict=True)
+                ],
+                textposition="outside",
+                hovertext=names,
+            )
+        )
+        figure.update_xaxes(type="category", title="layer")
+        return self.figure_html(figure, div, title)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def _inspect(self, prefix: str, report: Report, plots: _Plots) -> list[str]:
+        out: list[str] = []
+        tensors = report.subject.get("tensors") or {}
+        for k, finding in enumerate(report.findings):
+            if finding.code != "DW402":
+                continue
+            ev = finding.evidence
+            rows = tensors.get(ev.get("checkpoint")) or []
+            values = _homologous(rows, str(ev.get("template", "")), str(ev.get("statistic")))
+            if len(values) > 1:
+                div = f"{prefix}-f{k}-layers"
+                title = f"DW402: {ev.get('template')} ({ev.get('statistic')})"
+                out.append(self._layer_bars(div, title, values, set(finding.params)))
+                plots.by_finding[id(finding)] = div
+        quant = report.subject.get("quantization") or {}
+        for c, (path, per_tensor) in enumerate(quant.items()):
+            bits = sorted(
+                (
+                    (name, q["effective_bits"])
+                    for name, q in per_tensor.items()
+                    if isinstance(q.get("effective_bits"), (int, float))
+                    and math.isfinite(q["effective_bits"])
+                ),
+                key=lambda item: item[1],
+            )
+            if not bits:
+                continue
+            shown = bits[:MAX_BARS]
+            flagged = {
+                f"{n} with {f.evidence['quantized_with']}"
+                if f.evidence.get("quantized_with")
+                else n
+                for f in report.findings
+                if f.code == "DW403"
+                for n in f.params
+            }
+            div = f"{prefix}-bits-{c}"
+            figure = self.go.Figure(
+                self.go.Bar(
+                    y=[n for n, _ in shown],
+                    x=[b for _, b in shown],
+                    orientation="h",
+                    marker={"color": ["#c62828" if n in flagged else "#90a4ae" for n, _ in shown]},
+                )
+            )
+            figure.update_yaxes(autorange="reversed", automargin=True)
+            figure.update_xaxes(title="effective bits of the bulk")
+            title = f"effective bits per tensor under {report.subject.get('scheme')}: {path}"
+            if len(bits) > MAX_BARS:
+                title += f" (lowest {MAX_BARS} of {len(bits)})"
+            out.append(self.figure_html(figure, div, title, height=_bar_height(len(shown))))
+            for f in report.findings:
+                if f.code == "DW403" and f.evidence.get("checkpoint") == path:
+                    plots.by_finding.setdefault(id(f), div)
+        return out
+
+    def _diff(self, prefix: str, report: Report, plots: _Plots) -> list[str]:
+        movers = report.subject.get("top_movers") or []
+        out: list[str] = []
+        if movers:
+            div = f"{prefix}-movers"
+            figure = self.go.Figure(
+                self.go.Bar(
+                    y=[m["name"] for m in movers],
+                    x=[m["relative_change"] for m in movers],
+                    orientation="h",
+                    marker={"color": "#1565c0"},
+                )
+            )
+            figure.update_yaxes(autorange="reversed", automargin=True)
+            figure.update_xaxes(title="relative change ‖b − a‖ / ‖a‖")
+            title = f"top movers: {report.subject.get('a')} → {report.subject.get('b')}"
+            out.append(self.figure_html(figure, div, title))
+            for f in report.findings:
+                plots.by_finding[id(f)] = div
+        return out
+
+    def _trend(self, prefix: str, report: Report, plots: _Plots) -> list[str]:
+        s = report.subject
+        steps = s.get("steps") or []
+        values = s.get("values") or {}
+        flagged = {n for f in report.findings for n in f.params}
+        names = [n for n in values if n in flagged] or list(values)
+        out: list[str] = []
+        if not names:
+            return out
+        x = [st if st is not None else i for i, st in enumerate(steps)]
+        figure = self.go.Figure()
+        for name in names[:MAX_TRAJECTORIES]:
+            figure.add_trace(self.go.Scatter(x=x, y=values[name], name=name, mode="lines+markers"))
+        figure.update_xaxes(title="step (from the file names)")
+        div = f"{prefix}-trend"
+        out.append(self.figure_html(figure, div, "single-element tensors over the checkpoints"))
+        for f in report.findings:
+            plots.by_finding[id(f)] = div
+        return out
+
+
+def downsample(y: np.ndarray, steps: np.ndarray, keep_steps: Iterable[int] = ()) -> np.ndarray:
+    """Indices of at most about `MAX_POINTS` points: each bucket's lowest and highest,
+    the first and last, and every point at a step in `keep_steps`."""
+    n = len(y)
+    if n <= MAX_POINTS:
+        return np.arange(n)
+    buckets = MAX_POINTS // 2
+    edges = np.linspace(0, n, buckets + 1).astype(np.int64)
+    finite = np.where(np.isfinite(y), y, np.nan)
+    keep = [0, n - 1]
+    for lo, hi in itertools.pairwise(edges):
+        chunk = finite[lo:hi]
+        if hi <= lo or np.isnan(chunk).all():
+            keep.append(int(lo))
+            continue
+        keep.append(int(lo + np.nanargmin(chunk)))
+        keep.append(int(lo + np.nanargmax(chunk)))
+    wanted = np.fromiter(keep_steps, dtype=np.int64)
+    if len(wanted):
+        keep.extend(np.flatnonzero(np.isin(steps, wanted)).tolist())
+    return np.unique(np.asarray(keep, dtype=np.int64))
+
+
+def _homologous(rows: list[dict[str, Any]], template: str, statistic: str) -> dict[str, float]:
+    if "{}" not in template:
+        return {}
+    pattern = re.compile("^" + re.escape(template).replace(r"\{\}", r"\d+") + "$")
+    out = {}
+    for row in rows:
+        if not pattern.match(str(row.get("name"))) or not row.get("analysed"):
+            continue
+        value = _statistic(row, statistic)
+        if value is not None:
+            out[row["name"]] = value
+    return out
+
+
+def _statistic(row: dict[str, Any], statistic: str) -> float | None:
+    if statistic == "value":
+        return row.get("min") if row.get("numel") == 1 else None
+    if statistic == "rms":
+        mean, std = row.get("mean"), row.get("std")
+        if isinstance(mean, (int, float)) and isinstance(std, (int, float)):
+            return math.sqrt(mean * mean + std * std)
+        return None
+    value = row.get(statistic)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _floats(values: Sequence[float | None]) -> np.ndarray:
+    return np.array([math.nan if v is None else v for v in values], dtype=np.float64)
+
+
+def _json_floats(values: np.ndarray) -> list[float | None]:
+    return [float(v) if math.isfinite(v) else None for v in values]
+
+
+def _first(values: Sequence[float | None]) -> float:
+    return math.nan if not values or values[0] is None else float(values[0])
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(p) if p.isdigit() else p for p in _DIGITS.split(name)]
+
+
+def _layer_label(name: str) -> str:
+    numbers = _DIGITS.findall(name)
+    return numbers[0] if len(numbers) == 1 else name
+
+
+def _bar_height(bars: int) -> int:
+    return max(360, min(12000, 80 + 16 * bars))
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>
+<style>{style}</style>
+<script>{plotly}</script>
+</head><body>
+{body}
+<script>{script}</script>
+</body></html>
+"""
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px; color: #222; }
+table { border-collapse: collapse; width: 100%; font-size: 14px; }
+th, td { border-bottom: 1px solid #ddd; padding: 4px 6px; text-align: left; vertical-align: top; }
+.sev-error { color: #c62828; font-weight: bold; } .sev-warning { color: #ef6c00; font-weight: bold; }
+.sev-info { color: #1565c0; } .count { margin-right: 1em; font-size: 18px; }
+.problems { background: #fff3e0; padding: 0.5em 1em; border-left: 4px solid #ef6c00; }
+.note { color: #555; font-style: italic; } .meta { color: #777; font-size: 13px; }
+pre { white-space: pre-wrap; background: #f6f8fa; padding: 0.5em; }
+.plot { margin: 1em 0; } .filters { margin: 0.5em 0; }
+"""
+
+# The table filter: hide rows whose severity or rule does not match the two selects.
+_FILTER_SCRIPT = """
+(function () {
+  var sev = document.getElementById('filter-severity');
+  var rule = document.getElementById('filter-rule');
+  var shown = document.getElementById('shown');
+  function apply() {
+    var rows = document.querySelectorAll('#findings-table tbody tr[data-code]');
+    var n = 0;
+    rows.forEach(function (row) {
+      var ok = (!sev.value || row.dataset.severity === sev.value) &&
+               (!rule.value || row.dataset.code === rule.value);
+      row.style.display = ok ? '' : 'none';
+      if (ok) { n += 1; }
+    });
+    shown.textContent = n + ' of ' + rows.length + ' shown';
+  }
+  sev.addEventListener('change', apply);
+  rule.addEventListener('change', apply);
+  apply();
+})();
+"""
