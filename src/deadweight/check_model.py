@@ -8,9 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from deadweight.errors import CollectiveError, InputError
+from deadweight.findings import Finding
+from deadweight.probes import distributed
 from deadweight.probes.grad_flow import GradFlowStats, measure_grad_flow
 from deadweight.registry import Selection, rules_consuming
 from deadweight.report import Report
+from deadweight.rules._ranks import merge_rank_findings
 
 
 def check(
@@ -30,11 +34,30 @@ def check(
     left behind, also when `loss_fn` raises (`LossFnError`, chained to the original).
 
     `select` / `ignore` take rule codes (`DW101`), code prefixes (`DW1`) or names.
+
+    Under torch.distributed (a DDP-wrapped model, or any model once the process
+    group spans several ranks) call it on every rank: each rank checks its own
+    forward and backward without talking to the others, then the ranks exchange
+    per-parameter flags and their findings over a gloo group of deadweight's own,
+    with a timeout. Every rank returns the same report: findings seen on every rank
+    read as in a single process, the others carry the ranks they were seen on,
+    and DW108 / DW207 report parameters the ranks disagree on.
     """
     selection = Selection.of(select, ignore)
-    stats = measure_grad_flow(model, loss_fn, optimizer)
+    ranks = distributed.ranks_for(model)
+    if ranks is not None and distributed.uses_fsdp2(model):
+        raise InputError(
+            "check() on an FSDP2 (fully_shard) model is not supported: its forward and "
+            "backward all-gather and reduce-scatter, so a rank's extra probing forwards "
+            "would wait for the others; check the unsharded model before fully_shard()"
+        )
+    with distributed.local_backward(model):
+        stats = measure_grad_flow(distributed.unwrap(model), loss_fn, optimizer)
     findings = [f for r in rules_consuming(GradFlowStats) for f in r.judge(stats)]
     trainable = [p for p in stats.params if p.trainable]
+    extra: dict[str, Any] = {}
+    if ranks is not None:
+        findings, extra["distributed"] = _combine_ranks(ranks, model, stats, findings)
     return Report.of(
         "check",
         selection.filter(findings),
@@ -46,8 +69,39 @@ def check(
             "loss": stats.loss.value,
             "optimizer": stats.optimizer,
             "training_mode": stats.model_training,
+            **extra,
         },
     )
+
+
+def _combine_ranks(
+    ranks: distributed.Ranks, model: nn.Module, stats: GradFlowStats, local: list[Finding]
+) -> tuple[list[Finding], dict[str, Any]]:
+    """Every rank's findings merged, plus the cross-rank rules; marked incomplete on failure."""
+    names = [p.name for p in stats.params]
+    summary: dict[str, Any] = {**ranks.describe(), "complete": True}
+    try:
+        distributed.check_same_names(ranks, names, "check")
+        rows = [[p.has_grad for p in stats.params]]
+        if stats.optimizer is not None:
+            rows.append([bool(p.in_optimizer) for p in stats.params])
+        flags = distributed.per_rank_flags(ranks, rows, "check: gradient flags")
+        presence = distributed.RankPresence(
+            names=tuple(names),
+            world_size=ranks.world_size,
+            trainable=tuple(p.trainable for p in stats.params),
+            has_grad=flags[:, 0],
+            in_optimizer=flags[:, 1] if stats.optimizer is not None else None,
+            wrapper=type(model).__name__,
+        )
+        per_rank = distributed.all_gather_objects(ranks, local, "check: findings")
+    except CollectiveError as exc:
+        # The other ranks are gone or stuck: this rank's own findings are still true.
+        summary.update(complete=False, error=str(exc))
+        return local, summary
+    merged = merge_rank_findings(per_rank)
+    merged += [f for r in rules_consuming(distributed.RankPresence) for f in r.judge(presence)]
+    return merged, summary
 
 
 def _numel(shape: tuple[int, ...]) -> int:

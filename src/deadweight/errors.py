@@ -17,3 +17,7 @@ class LossFnError(DeadweightError):
 
 class ConfigError(InputError):
     """`[tool.deadweight]` in pyproject.toml is malformed; the message lists every problem."""
+
+
+class CollectiveError(DeadweightError):
+    """A collective deadweight runs across ranks failed or timed out (a rank died or hung)."""

@@ -1,0 +1,269 @@
+"""torch.distributed plumbing: which rank we are, and small reductions with a deadline.
+
+Everything deadweight exchanges between ranks goes through one gloo process group
+of its own, created on first use with a timeout: per-parameter vectors (a flag or
+a norm per parameter tensor, never the tensors themselves) and, for `check`, the
+findings each rank judged. A separate group keeps deadweight's traffic off the
+user's NCCL or gloo group (its collectives never interleave with training's), works
+whatever backend training uses, and gives every collective a deadline, so a rank
+that died or never calls in makes the others raise `CollectiveError` instead of
+hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from deadweight.errors import CollectiveError, InputError
+
+# Seconds a deadweight collective waits for the other ranks. Long enough for a rank
+# that is a checkpoint save or a slow data-loader batch behind the others; short
+# enough that a dead rank turns into an error within minutes rather than the hours
+# of NCCL's default watchdog. DEADWEIGHT_COLLECTIVE_TIMEOUT overrides it.
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "DEADWEIGHT_COLLECTIVE_TIMEOUT"
+
+_groups: dict[tuple[int, float], Any] = {}
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job, and the group deadweight talks over."""
+
+    rank: int
+    world_size: int
+    backend: str  # the training process group's backend, as torch names it
+    timeout_s: float
+
+    def group(self) -> Any:
+        """deadweight's own gloo group, created on first use.
+
+        new_group is itself collective: every rank gets here in the same order
+        because check() and watch() run on every rank. Its rendezvous has the same
+        deadline as the collectives, so a rank that is already gone is caught here.
+        """
+        import torch.distributed as dist
+
+        key = (id(dist.group.WORLD), self.timeout_s)
+        group = _groups.get(key)
+        if group is None:
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+            _groups[key] = group
+        return group
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "timeout_s": self.timeout_s,
+        }
+
+
+def timeout_s() -> float:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InputError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise InputError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def is_wrapped_for_distribution(model: nn.Module) -> bool:
+    """A DDP wrapper, or a module sharded with FSDP2's `fully_shard` (at any depth)."""
+    if not isinstance(model, nn.Module):
+        return False
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return True
+    return any(_is_fsdp2(m) for m in model.modules())
+
+
+def _is_fsdp2(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def uses_fsdp2(model: nn.Module) -> bool:
+    return isinstance(model, nn.Module) and any(_is_fsdp2(m) for m in model.modules())
+
+
+def ranks_for(model: nn.Module | None = None) -> Ranks | None:
+    """This job's `Ranks` when it runs on more than one process, else None.
+
+    A model wrapped for distribution in a process without an initialised process
+    group is an error worth stating (DDP and FSDP2 cannot even be built that way, so
+    it means the group was torn down before deadweight ran).
+    """
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    if not initialised:
+        if model is not None and is_wrapped_for_distribution(model):
+            raise InputError(
+                f"{type(model).__name__} is wrapped for distributed training but "
+                "torch.distributed is not initialised in this process (was "
+                "destroy_process_group() called already?); run deadweight between "
+                "init_process_group() and destroy_process_group()"
+            )
+        return None
+    world = dist.get_world_size()
+    if world == 1:
+        return None
+    if not dist.is_gloo_available():
+        raise InputError(
+            "deadweight reduces its statistics over a gloo process group, and this "
+            "torch build has no gloo backend"
+        )
+    backend = str(dist.get_backend())
+    return Ranks(dist.get_rank(), world, backend, timeout_s())
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper (names then match a single process)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
+@contextlib.contextmanager
+def local_backward(model: nn.Module) -> Iterator[None]:
+    """Inside: a DDP model's forward and backward talk to no other rank.
+
+    Gradients then stay those of this rank's own batch (DDP would otherwise fill a
+    parameter this rank never used with the other ranks' average, hiding exactly
+    what a check looks for), and a rank that runs an extra forward, as the
+    functional probes do, waits for nobody: no gradient all-reduce, no buffer
+    broadcast.
+    """
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        yield
+        return
+    saved = (model.require_backward_grad_sync, model.require_forward_param_sync)
+    model.require_backward_grad_sync = False
+    model.require_forward_param_sync = False
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync, model.require_forward_param_sync = saved
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly DTensor) parameter that lives on this rank."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _run(what: str, ranks: Ranks, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, group=ranks.group(), **kwargs)
+    except RuntimeError as exc:  # gloo and the store report a timeout or a lost peer so
+        raise CollectiveError(
+            f"rank {ranks.rank}: {what} across {ranks.world_size} ranks failed within "
+            f"{ranks.timeout_s:g} s ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+            "another rank has probably died or stopped calling deadweight"
+        ) from exc
+
+
+def all_reduce(
+    ranks: Ranks, t: torch.Tensor, op: str = "sum", what: str = "a reduction"
+) -> torch.Tensor:
+    """Reduce a small CPU vector over deadweight's group; returns the reduced copy."""
+    import torch.distributed as dist
+
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    out = t.detach().to("cpu", copy=True).contiguous()
+    _run(what, ranks, dist.all_reduce, out, op=ops[op])
+    return out
+
+
+def all_gather_objects(ranks: Ranks, obj: Any, what: str) -> list[Any]:
+    """Every rank's `obj`, in rank order (small metadata only: names, findings)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * ranks.world_size
+    _run(what, ranks, dist.all_gather_object, out, obj)
+    return out
+
+
+def per_rank_flags(ranks: Ranks, rows: Sequence[Sequence[bool]], what: str) -> torch.Tensor:
+    """(world_size, len(rows), P) bools: every rank's flag vectors, one all-reduce.
+
+    Each rank fills only its own slice of a zero tensor, so a sum is a gather of
+    bytes proportional to ranks x parameter tensors, not to their elements.
+    """
+    width = len(rows[0]) if rows else 0
+    out = torch.zeros(ranks.world_size, len(rows), width, dtype=torch.int32)
+    if rows:
+        out[ranks.rank] = torch.tensor([list(r) for r in rows], dtype=torch.int32)
+    return all_reduce(ranks, out, "sum", what).bool()
+
+
+def names_digest(names: Sequence[str]) -> str:
+    return hashlib.sha256("\0".join(names).encode()).hexdigest()[:16]
+
+
+def check_same_names(ranks: Ranks, names: Sequence[str], what: str) -> None:
+    """Raise when ranks hold different parameter lists (per-parameter vectors would mismatch)."""
+    digests = all_gather_objects(ranks, (names_digest(names), len(names)), f"{what} names")
+    if len(set(digests)) > 1:
+        groups: dict[tuple[str, int], list[int]] = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        listed = "; ".join(f"ranks {v}: {k[1]} parameters" for k, v in groups.items())
+        raise InputError(
+            f"the ranks hold different parameter lists ({listed}); deadweight compares "
+            "parameters by name across ranks, so every rank must hold the same model"
+        )
+
+
+@dataclass(frozen=True)
+class RankPresence:
+    """Per parameter and rank: did the parameter get a gradient, reach the loss, sit in the optimizer.
+
+    Arrays are (world_size, P) bools in the order of `names`; `in_optimizer` is
+    None when no optimizer was given.
+    """
+
+    names: tuple[str, ...]
+    world_size: int
+    trainable: tuple[bool, ...]
+    has_grad: torch.Tensor
+    in_optimizer: torch.Tensor | None
+    wrapper: str  # "DistributedDataParallel", "FSDP2" or "" (a plain module)
+
+    def ranks_where(self, flags: torch.Tensor, j: int, value: bool = True) -> list[int]:
+        return [r for r in range(self.world_size) if bool(flags[r, j]) is value]
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "RankPresence",
+    "Ranks",
+    "all_gather_objects",
+    "all_reduce",
+    "check_same_names",
+    "is_wrapped_for_distribution",
+    "local_backward",
+    "local_tensor",
+    "per_rank_flags",
+    "ranks_for",
+    "timeout_s",
+    "unwrap",
+    "uses_fsdp2",
+]

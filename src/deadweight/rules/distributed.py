@@ -1,0 +1,142 @@
+"""Rules about ranks that disagree: gradients or optimizer coverage present on some ranks only."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+
+from deadweight.findings import Finding, Severity
+from deadweight.probes.distributed import RankPresence
+from deadweight.registry import get_rule, rule
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _split(
+    presence: RankPresence, flags: torch.Tensor, only_trainable: bool
+) -> dict[tuple[tuple[int, ...], tuple[int, ...]], list[str]]:
+    """(ranks with, ranks without) -> parameter names, for parameters the ranks disagree on."""
+    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[str]] = defaultdict(list)
+    for j, name in enumerate(presence.names):
+        if only_trainable and not presence.trainable[j]:
+            continue
+        with_ = tuple(presence.ranks_where(flags, j, True))
+        without = tuple(presence.ranks_where(flags, j, False))
+        if with_ and without:
+            groups[(with_, without)].append(name)
+    return groups
+
+
+@rule(
+    code="DW108",
+    name="rank-dependent-gradient",
+    severity=Severity.ERROR,
+    summary="A parameter gets a gradient on some ranks and not on others.",
+    consumes=RankPresence,
+)
+def rank_dependent_gradient(presence: RankPresence) -> Iterator[Finding]:
+    """
+    ## What it does
+    Under torch.distributed, runs the check on every rank and compares which
+    parameters got a gradient from each rank's own forward and backward. A
+    parameter that gets one on some ranks and not on others is reported with both
+    lists of ranks.
+
+    ## Why is this bad
+    DDP expects every rank to produce a gradient for the same parameters. Without
+    `find_unused_parameters=True` it stops at the next iteration with "Expected to
+    have finished reduction in the prior iteration". With it, DDP goes on silently
+    and averages in zeros for the ranks that had no gradient, so the parameter's
+    update shrinks by the fraction of ranks that skipped it, and how much it learns
+    depends on how many GPUs the job ran on. A branch taken only on rank 0 (a
+    logging path, a rank-dependent data subset, an `if rank == 0` in the forward) is
+    the usual cause.
+
+    ## Example
+    ```python
+    def forward(self, x):
+        h = self.body(x)
+        if dist.get_rank() == 0:      # only rank 0 runs the probe head
+            h = h + self.probe(h)
+        return self.head(h)
+    # DW108: probe.weight, probe.bias get a gradient on rank 0 but not on rank 1
+    ```
+
+    ## Fix
+    Make every rank run the same modules in the forward. If a branch really must be
+    rank-dependent, take it out of the trained model (run it under no_grad on a
+    detached copy) so that DDP's parameter set is the same everywhere.
+    """
+    world = presence.world_size
+    for (with_, without), names in _split(presence, presence.has_grad, True).items():
+        n = len(names)
+        share = f"{len(with_)}/{world}"
+        message = (
+            f"{n} parameter{'s' if n > 1 else ''} get{'' if n > 1 else 's'} a gradient on "
+            f"{_ranks(list(with_))} but not on {_ranks(list(without))} (of {world}): "
+            "DDP without find_unused_parameters=True stops with 'Expected to have "
+            "finished reduction'; with it, DDP averages in zeros from the ranks without "
+            f"a gradient, so the update is {share} of its size."
+        )
+        yield get_rule("DW108").finding(
+            message,
+            params=names,
+            evidence={
+                "ranks_with_gradient": list(with_),
+                "ranks_without_gradient": list(without),
+                "world_size": world,
+                "wrapper": presence.wrapper,
+            },
+        )
+
+
+@rule(
+    code="DW207",
+    name="optimizer-differs-across-ranks",
+    severity=Severity.ERROR,
+    summary="The optimizer covers different parameters on different ranks.",
+    consumes=RankPresence,
+)
+def optimizer_differs_across_ranks(presence: RankPresence) -> Iterator[Finding]:
+    """
+    ## What it does
+    Under torch.distributed, compares which parameters each rank's optimizer holds
+    and reports the parameters that some ranks' optimizers step and others' do not.
+
+    ## Why is this bad
+    Data parallel training keeps every replica identical only if every rank applies
+    the same update. A parameter stepped on rank 0 and left alone on rank 1 (an
+    optimizer built from a rank-dependent filter, a parameter group added on one
+    rank after a checkpoint load) makes the replicas drift apart; DDP averages the
+    gradients but does not compare the parameters, so nothing fails.
+
+    ## Example
+    ```python
+    params = [p for n, p in model.named_parameters() if rank == 0 or "head" not in n]
+    opt = torch.optim.AdamW(params)   # rank 1 never updates the head
+    ```
+
+    ## Fix
+    Build the optimizer from the same parameter list on every rank; with FSDP2 and
+    DDP that is `model.parameters()` of the wrapped model, filtered identically.
+    """
+    if presence.in_optimizer is None:
+        return
+    world = presence.world_size
+    for (with_, without), names in _split(presence, presence.in_optimizer, False).items():
+        n = len(names)
+        yield get_rule("DW207").finding(
+            f"{n} parameter{'s' if n > 1 else ''} {'are' if n > 1 else 'is'} in the "
+            f"optimizer on {_ranks(list(with_))} but not on {_ranks(list(without))} "
+            f"(of {world}): the replicas stop being identical after the first step.",
+            params=names,
+            evidence={
+                "ranks_in_optimizer": list(with_),
+                "ranks_not_in_optimizer": list(without),
+                "world_size": world,
+            },
+        )
