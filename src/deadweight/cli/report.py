@@ -157,10 +157,12 @@ def classify(path: str) -> tuple[str, Any]:
 
 def load_sections(
     paths: list[str], select: Any = None, ignore: Any = None
-) -> tuple[list[Any], list[str]]:
-    """Every readable input as HTML sections, and a note for each problem met."""
+) -> tuple[list[Section], list[str], int]:
+    """Every readable input as HTML sections, a note for each problem met, and how many
+    inputs could not be read at all."""
     sections: list[Section] = []
     notes: list[str] = []
+    skipped = 0
     for path in paths:
         try:
             kind, data = classify(path)
@@ -189,6 +191,7 @@ def load_sections(
                 sections.append(Section(path, report, None, notes_here))
         except InputError as exc:
             notes.append(f"{exc}; skipped")
+            skipped += 1
     origins = {
         (s.stats.start.get("pid"), s.stats.start.get("time"))
         for s in sections
@@ -199,7 +202,7 @@ def load_sections(
             f"the inputs come from {len(origins)} different runs; each is shown on its own "
             "and nothing is merged"
         )
-    return sections, notes
+    return sections, notes, skipped
 
 
 def run(args: argparse.Namespace) -> int:
@@ -207,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         from deadweight.report.html import require_plotly, write_html
 
         require_plotly()  # before reading anything: a missing extra is the first thing to say
-        sections, notes = load_sections(args.inputs, args.select, args.ignore)
+        sections, notes, skipped = load_sections(args.inputs, args.select, args.ignore)
         for note in [*notes, *(f"{s.label}: {n}" for s in sections for n in s.notes)]:
             print(f"deadweight: note: {note}", file=sys.stderr)
         if not sections:
@@ -216,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"deadweight: wrote {args.output}", file=sys.stderr)
         fail_on = None if args.fail_on == "never" else Severity.parse(args.fail_on)
         failed = any(s.report.failed(fail_on) for s in sections)
-        return 2 if notes else int(failed)
+        return 2 if skipped else int(failed)
     code = 0
     for path in args.inputs:
         kind, data = ("log", None) if not os.path.isfile(path) else _classify_for_text(path)
