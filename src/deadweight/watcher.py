@@ -28,8 +28,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from deadweight.probes import owners
-from deadweight.probes.event_log import LogWriter, start_event
+from deadweight.probes import distributed, owners
+from deadweight.probes.event_log import LogWriter, log_path_for_rank, start_event
+from deadweight.probes.replicas import ReplicaCheck
 from deadweight.probes.step_monitor import MonitorConfig, StepMonitor
 from deadweight.probes.watch_stats import WatchStats
 from deadweight.registry import Selection, rules_consuming
@@ -78,9 +79,15 @@ class Watch:
             # Checked before anything is installed, so the error leaves no hook behind.
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.config = config
-        self.models = list(models)
+        for model in models:  # a DDP model whose process group is gone: say so now
+            distributed.ranks_for(model)
+        # A DDP wrapper's parameters are named as in a single process.
+        self.models = [distributed.unwrap(m) for m in models]
+        self._ranks: distributed.Ranks | None = None
+        self._ranks_known = False
+        self._replicas: dict[int, ReplicaCheck] = {}
         self.stats = WatchStats()
-        self.log_path = os.fspath(log) if log is not None else None
+        self.log_path: str | None = os.fspath(log) if log is not None else None
         self._writer: LogWriter | None = None
         # Events before the log is opened (zero-code mode opens it at the first step, so
         # processes that never step, such as a launcher or data workers, write nothing).
@@ -156,7 +163,28 @@ class Watch:
             index, optimizer, name_of, self._emit, self.config, passengers, start_step
         )
         self._monitors[id(optimizer)] = monitor
+        ranks = self._job_ranks()
+        if ranks is not None:
+            self._replicas[id(optimizer)] = ReplicaCheck(
+                ranks,
+                index,
+                monitor.names,
+                monitor.params,
+                [g is not None for g in monitor.groups],
+                self._emit,
+                self.config.every,
+            )
         return monitor
+
+    def _job_ranks(self) -> distributed.Ranks | None:
+        """This job's ranks, looked up when the first optimizer is watched (zero-code
+        mode starts before the script initialises its process group)."""
+        if not self._ranks_known:
+            self._ranks_known = True
+            self._ranks = distributed.ranks_for()
+            if self._ranks is not None:
+                self._emit({"event": "ranks", **self._ranks.describe()})
+        return self._ranks
 
     def _monitor_or_none(
         self,
@@ -191,6 +219,9 @@ class Watch:
             monitor = self._monitors.get(id(optimizer))
             if monitor is not None:
                 monitor.after_step()
+                replica = self._replicas.get(id(optimizer))
+                if replica is not None:
+                    replica.after_step(monitor.step, monitor.start_step)
 
     def _current_monitor(self, optimizer: torch.optim.Optimizer) -> StepMonitor | None:
         """The optimizer's monitor; a new one when parameters were added to the optimizer
@@ -460,8 +491,14 @@ def report_from_stats(
     ignore: Iterable[str] | str | None = None,
     log: str | None = None,
 ) -> Report:
+    from deadweight.probes.distributed import RankPresence
+    from deadweight.rules.distributed import presence_from_watch
+
     selection = Selection.of(select, ignore)
     findings = [f for r in rules_consuming(WatchStats) for f in r.judge(stats)]
+    presence = presence_from_watch(stats)
+    if presence is not None:
+        findings += [f for r in rules_consuming(RankPresence) for f in r.judge(presence)]
     subject = {
         "log": log,
         "steps": stats.steps,
@@ -472,6 +509,8 @@ def report_from_stats(
         "detector_errors": stats.errors,
         "problems": stats.problems,
     }
+    if stats.ranks is not None:
+        subject["distributed"] = {**stats.ranks, "complete": stats.ranks_complete}
     return Report.of("watch", selection.filter(findings), subject)
 
 
@@ -505,6 +544,10 @@ def watch(
     config = MonitorConfig(
         every=every, full=full, **({"small": small} if small is not None else {})
     )
+    ranks = distributed.ranks_for()
+    if log is not None and ranks is not None:
+        # Rank 0 writes LOG, the others LOG.rankN, as under `deadweight run`.
+        log = log_path_for_rank(os.fspath(log), str(ranks.rank))
     return Watch(models, optimizers, config=config, log=log, scaler=scaler, argv=list(sys.argv))
 
 

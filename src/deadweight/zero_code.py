@@ -16,6 +16,7 @@ import os
 import sys
 from types import TracebackType
 
+from deadweight.probes.event_log import log_path_for_rank
 from deadweight.probes.step_monitor import MonitorConfig
 
 ENV_LOG = "DEADWEIGHT_RUN_LOG"
@@ -24,13 +25,6 @@ ENV_FULL = "DEADWEIGHT_RUN_FULL"
 ENV_OWNER = "DEADWEIGHT_RUN_OWNER"  # pid of the process that writes the main log
 
 _reason = ["exited"]
-
-
-def log_path_for_rank(path: str, rank: str | None) -> str:
-    if not rank or rank == "0":
-        return path
-    stem, ext = os.path.splitext(path)
-    return f"{stem}.rank{rank}{ext or '.jsonl'}"
 
 
 def claim_log_path(path: str) -> str:

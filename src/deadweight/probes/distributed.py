@@ -237,13 +237,14 @@ class RankPresence:
     """Per parameter and rank: did the parameter get a gradient, reach the loss, sit in the optimizer.
 
     Arrays are (world_size, P) bools in the order of `names`; `in_optimizer` is
-    None when no optimizer was given.
+    None when no optimizer was given, `has_grad` when gradients were not looked at
+    (watch: DDP has already averaged them by the time an optimizer steps).
     """
 
     names: tuple[str, ...]
     world_size: int
     trainable: tuple[bool, ...]
-    has_grad: torch.Tensor
+    has_grad: torch.Tensor | None
     in_optimizer: torch.Tensor | None
     wrapper: str  # "DistributedDataParallel", "FSDP2" or "" (a plain module)
 

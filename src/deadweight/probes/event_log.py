@@ -142,3 +142,11 @@ def iter_runs(events: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
         run.append(event)
     if run:
         yield run
+
+
+def log_path_for_rank(path: str, rank: str | None) -> str:
+    """Rank 0 writes `path`, rank N `STEM.rankN.EXT`: one log per rank of a job."""
+    if not rank or rank == "0":
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext or '.jsonl'}"

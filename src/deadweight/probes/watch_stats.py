@@ -115,6 +115,11 @@ class WatchStats:
     errors: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
     problems: list[str] = field(default_factory=list)  # from reading a log
+    # Under torch.distributed: this rank's place, parameters whose copies differ
+    # across ranks (name -> what was seen), and which ranks' optimizers hold what.
+    ranks: dict[str, Any] | None = None
+    replicas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rank_params: dict[str, Any] | None = None
 
     @property
     def steps(self) -> int:
@@ -307,6 +312,33 @@ class WatchStats:
 
     def _on_end(self, event: dict[str, Any]) -> None:
         self.end = dict(event)
+
+    def _on_ranks(self, event: dict[str, Any]) -> None:
+        self.ranks = {k: v for k, v in event.items() if k != "event"}
+
+    def _on_replicas(self, event: dict[str, Any]) -> None:
+        for k, name in enumerate(event["params"]):
+            seen = self.replicas.get(name)
+            if seen is None:
+                seen = self.replicas[name] = {"first_step": event["step"], "norm_spread": 0.0}
+            seen.update(
+                last_step=event["step"],
+                norm_min=event["norm_min"][k],
+                norm_max=event["norm_max"][k],
+                groups=event["groups"][k],
+                world_size=event["world_size"],
+            )
+            seen["norm_spread"] = max(
+                seen["norm_spread"], event["norm_max"][k] - event["norm_min"][k]
+            )
+
+    def _on_rank_params(self, event: dict[str, Any]) -> None:
+        self.rank_params = dict(event)
+
+    @property
+    def ranks_complete(self) -> bool:
+        """False once a cross-rank exchange failed (a rank died or stopped answering)."""
+        return not any(e.get("detector") == "ranks" for e in self.errors)
 
 
 class _Detached(ParamTrack):

@@ -9,6 +9,7 @@ import torch
 
 from deadweight.findings import Finding, Severity
 from deadweight.probes.distributed import RankPresence
+from deadweight.probes.watch_stats import WatchStats
 from deadweight.registry import get_rule, rule
 
 
@@ -71,6 +72,8 @@ def rank_dependent_gradient(presence: RankPresence) -> Iterator[Finding]:
     rank-dependent, take it out of the trained model (run it under no_grad on a
     detached copy) so that DDP's parameter set is the same everywhere.
     """
+    if presence.has_grad is None:
+        return
     world = presence.world_size
     for (with_, without), names in _split(presence, presence.has_grad, True).items():
         n = len(names)
@@ -139,4 +142,69 @@ def optimizer_differs_across_ranks(presence: RankPresence) -> Iterator[Finding]:
                 "ranks_not_in_optimizer": list(without),
                 "world_size": world,
             },
+        )
+
+
+def presence_from_watch(stats: WatchStats) -> RankPresence | None:
+    """What a watch saw of the ranks' optimizers, as DW207 reads it."""
+    event = stats.rank_params
+    if event is None:
+        return None
+    held = torch.tensor(event["held"], dtype=torch.bool)
+    return RankPresence(
+        names=tuple(event["names"]),
+        world_size=held.shape[0],
+        trainable=tuple(True for _ in event["names"]),
+        has_grad=None,
+        in_optimizer=held,
+        wrapper="",
+    )
+
+
+@rule(
+    code="DW308",
+    name="replica-divergence",
+    severity=Severity.ERROR,
+    summary="A parameter that data parallelism keeps identical on every rank differs between ranks.",
+    consumes=WatchStats,
+)
+def replica_divergence(stats: WatchStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    Under DDP, at every watched step, compares a checksum of each parameter's
+    bits across ranks (one small all-reduce: four numbers per parameter tensor) and
+    reports the parameters whose copies differ, with the ranks grouped by the copy
+    they hold and the spread of the copies' norms.
+
+    ## Why is this bad
+    DDP averages gradients but never compares parameters: it assumes every rank
+    applies the same update to the same values. Anything that breaks that (an
+    optimizer step on one rank only, a parameter written in place on rank 0, a
+    non-deterministic update, a checkpoint loaded on some ranks) makes the replicas
+    drift apart silently. Each rank then trains a different model, and the
+    checkpoint saved from rank 0 is not the model the other ranks evaluated.
+
+    ## Example
+    ```python
+    if rank == 0:
+        with torch.no_grad():
+            model.module.head.weight.mul_(0.5)   # rank 0 only
+    # DW308: head.weight differs across ranks (rank 0 vs ranks 1)
+    ```
+
+    ## Fix
+    Apply every change to the parameters on all ranks alike, and load checkpoints
+    on every rank (or broadcast from rank 0 after loading).
+    """
+    for name, seen in stats.replicas.items():
+        groups = seen["groups"]
+        split = " vs ".join(
+            f"rank{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}" for g in groups
+        )
+        yield get_rule("DW308").finding(
+            f"`{name}` differs across the {seen['world_size']} DDP replicas from step "
+            f"{seen['first_step']} on ({split}); its norm ranges from "
+            f"{seen['norm_min']:.6g} to {seen['norm_max']:.6g}.",
+            params=[name],
+            evidence={k: v for k, v in seen.items()},
         )

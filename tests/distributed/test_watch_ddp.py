@@ -1,0 +1,74 @@
+"""`deadweight.watch` inside DDP ranks: replica divergence, optimizer coverage, a dead rank."""
+
+from __future__ import annotations
+
+import time
+
+from tests.distributed import workers_watch as w
+from tests.distributed.harness import run_ranks
+
+
+def _codes(report: dict) -> list[str]:
+    return [f["code"] for f in report["findings"]]
+
+
+def test_healthy_ddp_run_has_identical_replicas_and_one_log_per_rank(tmp_path):
+    results = run_ranks(w.ddp_watch, 2, tmp_path, str(tmp_path), None)
+    assert set(results) == {0, 1}
+    rep = results[0]["report"]
+    assert "DW308" not in _codes(rep)
+    assert rep["subject"]["distributed"]["complete"] is True
+    assert rep["subject"]["distributed"]["world_size"] == 2
+    assert results[0]["log"].endswith("run.jsonl")
+    assert results[1]["log"].endswith("run.rank1.jsonl")
+    assert (tmp_path / "run.jsonl").exists() and (tmp_path / "run.rank1.jsonl").exists()
+    # steps 1, 20, 40, 60 were compared; the names once, then 4 float64 per tensor
+    assert results[0]["replica_checks"] == [4]
+    names_bytes = sum(len(n) + 2 for n in ("body.weight", "body.bias", "head.weight", "head.bias"))
+    assert results[0]["replica_bytes"] == [names_bytes + 4 * 4 * 8 * 4]
+
+
+def test_a_replica_changed_on_rank0_is_reported_with_the_ranks(tmp_path):
+    results = run_ranks(w.ddp_watch, 2, tmp_path, str(tmp_path), 30)
+    rep = results[0]["report"]
+    found = [f for f in rep["findings"] if f["code"] == "DW308"]
+    assert [f["params"] for f in found] == [["head.weight"]]
+    ev = found[0]["evidence"]
+    assert ev["first_step"] == 40  # the first watched step after the change at step 31
+    assert ev["groups"] == [[0], [1]]
+    assert ev["norm_min"] < ev["norm_max"]
+    # every rank saw the same divergence
+    assert results[1]["report"]["findings"] == rep["findings"]
+
+
+def test_optimizer_covering_different_parameters_per_rank_in_watch(tmp_path):
+    results = run_ranks(w.ddp_watch_optimizer_differs, 2, tmp_path, str(tmp_path))
+    rep = results[0]["report"]
+    found = [f for f in rep["findings"] if f["code"] == "DW207"]
+    assert len(found) == 1
+    assert sorted(found[0]["params"]) == ["head.bias", "head.weight"]
+    assert found[0]["evidence"]["ranks_not_in_optimizer"] == [1]
+    # and so the replicas of head drift apart from the first step
+    diverged = sorted(f["params"][0] for f in rep["findings"] if f["code"] == "DW308")
+    assert diverged == ["head.bias", "head.weight"]
+
+
+def test_a_rank_dying_mid_run_leaves_the_others_reports_marked_incomplete(tmp_path):
+    start = time.monotonic()
+    results = run_ranks(
+        w.watch_rank_dies,
+        3,
+        tmp_path,
+        str(tmp_path),
+        env={"DEADWEIGHT_COLLECTIVE_TIMEOUT": "5"},
+        deadline_s=60,
+    )
+    assert set(results) == {0, 1}
+    for res in results.values():
+        rep = res["report"]
+        assert rep["subject"]["distributed"]["complete"] is False
+        assert rep["subject"]["steps"] == 50  # training went on
+        errors = [e for e in rep["subject"]["detector_errors"] if e["detector"] == "ranks"]
+        assert len(errors) == 1 and errors[0]["step"] == 40
+    assert (tmp_path / "run.jsonl").exists()
+    assert time.monotonic() - start < 60

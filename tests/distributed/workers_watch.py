@@ -1,0 +1,113 @@
+"""Rank bodies for the watch and pin tests (module level, so spawned processes can import them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import deadweight
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+
+
+def _train(
+    rank: int,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    tamper_at: int | None = None,
+    die_at: int | None = None,
+) -> None:
+    for step in range(steps):
+        if step == tamper_at and rank == 0:
+            with torch.no_grad():  # rank 0 alone changes its copy
+                inner = model.module if isinstance(model, DDP) else model
+                inner.head.weight.mul_(0.5)
+        if step == die_at:
+            os._exit(3)
+        x, y = _batch(rank, step)
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _result(w: deadweight.Watch, log: Path) -> dict[str, Any]:
+    return {"report": w.report().to_dict(), "log": w.log_path, "log_exists": log.exists()}
+
+
+def ddp_watch(rank: int, world: int, out: str, tamper_at: int | None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = DDP(Net())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    log = Path(out, "run.jsonl")
+    with deadweight.watch(model, opt, log=log) as w:
+        _train(rank, model, opt, 60, tamper_at=tamper_at)
+    res = _result(w, log)
+    res["replica_bytes"] = [r.bytes_sent for r in w._replicas.values()]
+    res["replica_checks"] = [r.checks for r in w._replicas.values()]
+    return res
+
+
+def ddp_watch_optimizer_differs(rank: int, world: int, out: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = Net()
+    model = DDP(net)
+    params = list(net.body.parameters()) + (list(net.head.parameters()) if rank == 0 else [])
+    opt = torch.optim.SGD(params, lr=1e-2)
+    with deadweight.watch(model, opt) as w:
+        _train(rank, model, opt, 25)
+    return {"report": w.report().to_dict()}
+
+
+def watch_rank_dies(rank: int, world: int, out: str) -> dict[str, Any]:
+    # Ranks train on their own (no DDP), so only deadweight's collectives need the
+    # other ranks: when rank 2 dies, those must fail within their timeout.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with deadweight.watch(model, opt, log=Path(out, "run.jsonl")) as w:
+        _train(rank, model, opt, 50, die_at=30 if rank == world - 1 else None)
+    return {"report": w.report().to_dict()}
+
+
+def pin_under_ddp(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = Net()
+    model = DDP(net)
+    handle = deadweight.pin(net, "head.bias")
+    before = net.head.bias.detach().clone()
+    body_before = net.body.weight.detach().clone()
+    # pinned parameters go to the no-decay group: decay would pull them towards 0
+    opt = torch.optim.AdamW(deadweight.param_groups(net, weight_decay=0.1), lr=1e-2)
+    for step in range(20):
+        x, y = _batch(rank, step)
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return {
+        "requires_grad": net.head.bias.requires_grad,
+        "bias_moved": float((net.head.bias.detach() - before).abs().max()),
+        "bias": net.head.bias.tolist(),
+        "body_moved": float((net.body.weight.detach() - body_before).abs().max()),
+        "body_sum": float(net.body.weight.sum()),
+        "pin_moved": handle.moved(),
+    }
