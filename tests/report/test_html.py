@@ -250,12 +250,13 @@ def test_downsample_keeps_extremes_and_flagged_steps():
     steps = np.arange(1, n + 1) * 20
     y = rng.standard_normal(n).cumsum()
     y[777] = np.nan
-    flagged = [int(steps[12_345]), int(steps[99_998])]
+    # Two steps with a record, one between two records (a reset at step 50,001).
+    flagged = [int(steps[12_345]), int(steps[99_998]), int(steps[2_500]) + 1]
     idx = html_report.downsample(y, steps, flagged)
-    assert len(idx) <= html_report.MAX_POINTS + 2 + len(flagged)
+    assert len(idx) <= html_report.MAX_POINTS + 2 + 2 * len(flagged)
     assert np.all(np.diff(idx) > 0)
     kept = set(idx.tolist())
-    assert {0, n - 1, 12_345, 99_998} <= kept
+    assert {0, n - 1, 12_345, 99_998, 2_500, 2_501} <= kept
     assert int(np.nanargmax(y)) in kept and int(np.nanargmin(y)) in kept
     # Slow reference: every bucket's own lowest and highest point is kept.
     edges = np.linspace(0, n, html_report.MAX_POINTS // 2 + 1).astype(int)

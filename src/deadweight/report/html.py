@@ -307,9 +307,17 @@ class _Page:
             for name in f.params
             if isinstance(f.evidence.get("drift_per_step"), (int, float))
         }
+        # Steps a finding points at (where an outlier began) survive the downsampling.
+        marked: dict[str, set[int]] = {}
+        for f in findings:
+            since = f.evidence.get("since_step")
+            if isinstance(since, int):
+                for name in f.params:
+                    marked.setdefault(name, set()).add(since)
         for name in flagged_names[:MAX_TRAJECTORIES]:
             div = f"{prefix}-p-{_slug(name)}"
-            out.append(self._trajectory(div, stats, name, reset_steps, drift.get(name)))
+            keep = set(reset_steps) | marked.get(name, set())
+            out.append(self._trajectory(div, stats, name, keep, reset_steps, drift.get(name)))
             plots.by_param[name] = div
         rest = flagged_names[MAX_TRAJECTORIES:]
         if rest:
@@ -325,6 +333,7 @@ class _Page:
         div: str,
         stats: WatchStats,
         name: str,
+        keep: set[int],
         reset_steps: list[int],
         drift: Any,
     ) -> str:
@@ -333,7 +342,7 @@ class _Page:
         track = stats.params[name]
         s = track.series
         steps = np.asarray(s.steps, dtype=np.int64)
-        keep_steps = set(reset_steps) | set(track.nonfinite.values())
+        keep_steps = keep | set(track.nonfinite.values())
         has_values = bool(s.value) and len(s.value) == len(s.steps)
         if has_values:
             primary = np.array([_first(v) for v in s.value], dtype=np.float64)
@@ -530,7 +539,8 @@ class _Page:
 
 def downsample(y: np.ndarray, steps: np.ndarray, keep_steps: Iterable[int] = ()) -> np.ndarray:
     """Indices of at most about `MAX_POINTS` points: each bucket's lowest and highest,
-    the first and last, and every point at a step in `keep_steps`."""
+    the first and last, and for every step in `keep_steps` the records at and before it
+    (`steps` ascending)."""
     n = len(y)
     if n <= MAX_POINTS:
         return np.arange(n)
@@ -547,7 +557,10 @@ def downsample(y: np.ndarray, steps: np.ndarray, keep_steps: Iterable[int] = ())
         keep.append(int(lo + np.nanargmax(chunk)))
     wanted = np.fromiter(keep_steps, dtype=np.int64)
     if len(wanted):
-        keep.extend(np.flatnonzero(np.isin(steps, wanted)).tolist())
+        # The record at a flagged step, or the two around it when it fell between records.
+        at = np.searchsorted(steps, wanted)
+        keep.extend(np.clip(at, 0, n - 1).tolist())
+        keep.extend(np.clip(at - 1, 0, n - 1).tolist())
     return np.unique(np.asarray(keep, dtype=np.int64))
 
 
