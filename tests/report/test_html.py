@@ -265,3 +265,15 @@ def test_downsample_keeps_extremes_and_flagged_steps():
         assert lo + int(np.nanargmin(chunk)) in kept and lo + int(np.nanargmax(chunk)) in kept
     short = html_report.downsample(y[:50], steps[:50])
     assert short.tolist() == list(range(50))
+
+
+def test_saved_watch_report_still_shows_the_layer_bars(capsys, inputs, tmp_path):
+    main(["report", str(inputs["log"]), "--format", "json"])
+    saved = tmp_path / "watch.json"
+    saved.write_text(capsys.readouterr().out)
+    out = tmp_path / "r.html"
+    code, err = _report(capsys, str(saved), "-o", str(out))
+    assert code == 1, err
+    page = _Page(out.read_text())
+    assert [p for p in page.plots if p.endswith("-layers")] == ["s0-f2-layers"]  # DW307
+    assert not any("-p-" in p for p in page.plots)  # no per-step data in a saved report

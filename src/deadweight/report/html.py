@@ -257,6 +257,7 @@ class _Page:
         parts: list[str] = []
         kind = section.report.kind
         prefix = f"s{index}"
+        parts.extend(self._sibling_values(prefix, section.report, plots))
         if section.stats is not None:
             parts.extend(self._watch(prefix, section, plots))
         if kind == "inspect":
@@ -283,17 +284,6 @@ class _Page:
             "there is no loss curve to draw for this run.</p>"
         ]
         findings = section.report.findings
-        for k, finding in enumerate(findings):
-            values = finding.evidence.get("values")
-            if isinstance(values, dict) and len(values) > 1:
-                div = f"{prefix}-f{k}-layers"
-                flagged = set(finding.params)
-                title = (
-                    f"{finding.code}: {finding.evidence.get('template', 'siblings')} "
-                    f"({finding.evidence.get('statistic', 'value')})"
-                )
-                out.append(self._layer_bars(div, title, values, flagged))
-                plots.by_finding[id(finding)] = div
         flagged_names: list[str] = []
         for finding in findings:
             for name in finding.params:
@@ -326,6 +316,21 @@ class _Page:
                 f"(the first {MAX_TRAJECTORIES} do): {html.escape(', '.join(rest[:50]))}"
                 f"{' …' if len(rest) > 50 else ''}</p>"
             )
+        return out
+
+    def _sibling_values(self, prefix: str, report: Report, plots: _Plots) -> list[str]:
+        """Bars of the per-layer values a finding carries (DW307 of a watch, live or saved)."""
+        out = []
+        for k, finding in enumerate(report.findings):
+            values = finding.evidence.get("values")
+            if isinstance(values, dict) and len(values) > 1:
+                div = f"{prefix}-f{k}-layers"
+                title = (
+                    f"{finding.code}: {finding.evidence.get('template', 'siblings')} "
+                    f"({finding.evidence.get('statistic', 'value')})"
+                )
+                out.append(self._layer_bars(div, title, values, set(finding.params)))
+                plots.by_finding[id(finding)] = div
         return out
 
     def _trajectory(
