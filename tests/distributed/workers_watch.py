@@ -62,7 +62,7 @@ def ddp_watch(rank: int, world: int, out: str, tamper_at: int | None) -> dict[st
     with deadweight.watch(model, opt, log=log) as w:
         _train(rank, model, opt, 60, tamper_at=tamper_at)
     res = _result(w, log)
-    res["replica_bytes"] = [r.bytes_sent for r in w._replicas.values()]
+    res["replica_bytes"] = [(r.name_bytes, r.compare_bytes) for r in w._replicas.values()]
     res["replica_checks"] = [r.checks for r in w._replicas.values()]
     return res
 

@@ -50,7 +50,10 @@ class ReplicaCheck:
         self.every = every
         self.positions: list[int] | None = None  # of the names every rank holds
         self.disabled = False
-        self.bytes_sent = 0  # payload of deadweight's collectives, for the benchmark
+        # Payload handed to deadweight's collectives (for the benchmark): the one-off
+        # name exchange, and the per-watched-step comparison.
+        self.name_bytes = 0
+        self.compare_bytes = 0
         self.checks = 0
         # Sharded (FSDP2 / DTensor) parameters differ across ranks by design.
         self.replicated = not any(hasattr(p, "to_local") for p in self.params)
@@ -84,7 +87,7 @@ class ReplicaCheck:
     def _agree_on_names(self, step: int) -> list[int]:
         mine = (self.names, self.stepped)
         per_rank = distributed.all_gather_objects(self.ranks, mine, "watch: parameter names")
-        self.bytes_sent += sum(len(n) + 2 for n in self.names)
+        self.name_bytes += sum(len(n) + 2 for n in self.names)
         union: list[str] = []
         seen: set[str] = set()
         for names, _ in per_rank:
@@ -116,13 +119,14 @@ class ReplicaCheck:
             sums = (torch.stack([_fingerprint(t) for t in tensors]) & _MASK).cpu().double()
             norms = torch.stack(torch._foreach_norm(tensors)).cpu().double()
         packed = torch.cat([sums, -sums, norms, -norms])
-        self.bytes_sent += packed.numel() * packed.element_size()
+        self.compare_bytes += packed.numel() * packed.element_size()
         top = distributed.all_reduce(self.ranks, packed, "max", "watch: replica checksums")
         p = len(tensors)
         differ = (top[:p] != -top[p : 2 * p]).nonzero().flatten().tolist()
         if not differ:
             return
         mine = [int(sums[k]) for k in differ]
+        self.compare_bytes += 8 * len(mine)
         per_rank = distributed.all_gather_objects(self.ranks, mine, "watch: diverged checksums")
         self.emit(
             {
