@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from deadweight.errors import InputError
 from deadweight.probes import distributed, owners
 from deadweight.probes.event_log import LogWriter, log_path_for_rank, start_event
 from deadweight.probes.replicas import ReplicaCheck
@@ -143,6 +144,12 @@ class Watch:
         passengers: Sequence[tuple[str, torch.Tensor]] = (),
         start_step: int = 0,
     ) -> StepMonitor:
+        sharded = distributed.sharded_names(
+            [(f"param {j} of group {g}", p) for g, group in enumerate(optimizer.param_groups)
+             for j, p in enumerate(group["params"])]
+        )  # fmt: skip
+        if sharded:
+            raise InputError(f"{distributed.FSDP2_WATCH_UNSUPPORTED} ({len(sharded)} sharded)")
         index = self._next_index
         self._next_index += 1
         positions: dict[int, tuple[int, int]] = {}
@@ -541,6 +548,15 @@ def watch(
     optimizers = _as_list(optimizer, torch.optim.Optimizer)
     if not optimizers:
         raise TypeError("watch() needs at least one optimizer: its step hooks do the watching")
+    sharded = distributed.sharded_names(
+        [(n, p) for m in models for n, p in m.named_parameters()]
+        + [(f"optimizer param {j}", p) for o in optimizers for g in o.param_groups
+           for j, p in enumerate(g["params"])]
+    )  # fmt: skip
+    if sharded:
+        raise InputError(
+            f"{distributed.FSDP2_WATCH_UNSUPPORTED} (sharded: {', '.join(sharded[:3])})"
+        )
     config = MonitorConfig(
         every=every, full=full, **({"small": small} if small is not None else {})
     )

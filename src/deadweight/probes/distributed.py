@@ -103,6 +103,18 @@ def uses_fsdp2(model: nn.Module) -> bool:
     return isinstance(model, nn.Module) and any(_is_fsdp2(m) for m in model.modules())
 
 
+def sharded_names(params: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of DTensor (sharded, e.g. FSDP2) parameters among `params`."""
+    return [n for n, p in params if hasattr(p, "to_local") and hasattr(p, "placements")]
+
+
+FSDP2_WATCH_UNSUPPORTED = (
+    "watch does not support sharded (FSDP2 / DTensor) parameters yet: its statistics "
+    "would have to be combined across the shards, and running them on DTensors makes "
+    "the ranks wait on each other; watch the model under DDP or in one process"
+)
+
+
 def ranks_for(model: nn.Module | None = None) -> Ranks | None:
     """This job's `Ranks` when it runs on more than one process, else None.
 
@@ -264,6 +276,7 @@ __all__ = [
     "local_tensor",
     "per_rank_flags",
     "ranks_for",
+    "sharded_names",
     "timeout_s",
     "unwrap",
     "uses_fsdp2",

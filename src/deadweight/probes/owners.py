@@ -32,7 +32,8 @@ def owning_models(params: Iterable[torch.Tensor]) -> list[nn.Module]:
         if held:
             roots.append((held, module))
     roots.sort(key=lambda hm: -hm[0])
-    return [m for _, m in roots]
+    # A DDP wrapper's parameters are named as in a single process (no `module.`).
+    return [m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m for _, m in roots]
 
 
 def _is_module(obj: object) -> bool:
