@@ -277,3 +277,17 @@ def test_saved_watch_report_still_shows_the_layer_bars(capsys, inputs, tmp_path)
     page = _Page(out.read_text())
     assert [p for p in page.plots if p.endswith("-layers")] == ["s0-f2-layers"]  # DW307
     assert not any("-p-" in p for p in page.plots)  # no per-step data in a saved report
+
+
+def test_text_from_a_saved_report_is_escaped(capsys, inputs, tmp_path):
+    saved = json.loads(inputs["diff"].read_text())
+    hostile = '"><script>alert(1)</script>'
+    saved["findings"][0].update(code="DW9" + hostile, message=hostile, params=[hostile])
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps(saved))
+    out = tmp_path / "r.html"
+    code, err = _report(capsys, str(path), "-o", str(out))
+    assert code == 1, err
+    text = out.read_text()
+    assert "<script>alert(1)" not in text
+    assert "not known to this version" in text  # the unknown code's docs entry

@@ -165,10 +165,11 @@ def _finding_row(finding: Finding, label: str, anchor: str | None) -> str:
         f" … {len(finding.params) - 6} more" if len(finding.params) > 6 else ""
     )
     evidence = f'<a href="#{anchor}">plot</a>' if anchor else "—"
+    code = html.escape(finding.code)  # a saved report is text from elsewhere
     return (
-        f'<tr data-severity="{sev}" data-code="{finding.code}">'
+        f'<tr data-severity="{sev}" data-code="{code}">'
         f'<td class="sev-{sev}">{sev}</td>'
-        f'<td><a href="#rule-{finding.code}">{finding.code}</a> {html.escape(finding.name)}</td>'
+        f'<td><a href="#rule-{code}">{code}</a> {html.escape(finding.name)}</td>'
         f"<td>{html.escape(finding.message)}</td><td>{html.escape(params)}</td>"
         f"<td>{html.escape(label)}</td><td>{evidence}</td></tr>"
     )
@@ -176,7 +177,9 @@ def _finding_row(finding: Finding, label: str, anchor: str | None) -> str:
 
 def _findings_table(rows: list[str], codes: set[str]) -> str:
     sev_options = "".join(f'<option value="{s.value}">{s.value}</option>' for s in Severity)
-    code_options = "".join(f'<option value="{c}">{c}</option>' for c in sorted(codes))
+    code_options = "".join(
+        f'<option value="{html.escape(c)}">{html.escape(c)}</option>' for c in sorted(codes)
+    )
     body = "".join(rows) or '<tr class="empty"><td colspan="6">no findings</td></tr>'
     return (
         '<section id="findings"><h2>Findings</h2><div class="filters">'
@@ -192,9 +195,10 @@ def _findings_table(rows: list[str], codes: set[str]) -> str:
 
 def _rule_docs(codes: Iterable[str]) -> str:
     parts = ['<section id="rules"><h2>Rules</h2>']
-    for code in sorted(codes):
+    for raw in sorted(codes):
+        code = html.escape(raw)
         try:
-            rule = get_rule(code)
+            rule = get_rule(raw)
         except (KeyError, ValueError):  # a saved report from a newer deadweight
             parts.append(f'<div id="rule-{code}"><h3>{code}</h3><p>not known to this version')
             parts.append("</p></div>")
