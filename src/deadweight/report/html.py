@@ -364,10 +364,7 @@ class _Page:
             cols=1,
             shared_xaxes=True,
             vertical_spacing=0.08,
-            subplot_titles=(
-                f"{primary_label} per step",
-                "update size against gradient size (log)",
-            ),
+            subplot_titles=(f"{primary_label} per step", "update size against gradient size"),
         )
         go = self.go
         idx = downsample(primary, steps, keep_steps)
@@ -397,17 +394,34 @@ class _Page:
                 row=1,
                 col=1,
             )
+        measured = []
         for label, series in (("‖update‖", s.update_norm), ("grad RMS", s.grad_rms)):
             y = _floats(series)
-            if not np.isfinite(y).any():
+            if np.isfinite(y).any():  # update norms exist only where a copy was taken
+                measured.append((label, y))
+        # A log axis hides zeros; when nothing is above 0 (a parameter that never got a
+        # gradient), the axis is linear and the zeros are drawn.
+        log_axis = any((y > 0).any() for _, y in measured)
+        zeros = [label for label, y in measured if not (y > 0).any()]
+        for label, y in measured:
+            if log_axis and label in zeros:
                 continue
+            if log_axis:
+                y = np.where(y > 0, y, math.nan)
             pick = downsample(y, steps, keep_steps)
             figure.add_trace(
                 go.Scatter(x=steps[pick], y=_json_floats(y[pick]), name=label, mode="lines"),
                 row=2,
                 col=1,
             )
-        figure.update_yaxes(type="log", row=2, col=1)
+        if log_axis:
+            figure.update_yaxes(type="log", row=2, col=1)
+        if zeros:
+            figure.layout.annotations[
+                1
+            ].text = f"update size against gradient size ({' and '.join(zeros)}: 0 at every record)"
+        elif log_axis:
+            figure.layout.annotations[1].text = "update size against gradient size (log)"
         for step in reset_steps:
             figure.add_vline(x=step, line={"color": "#8e24aa", "dash": "dot"})
         if reset_steps:
