@@ -44,7 +44,8 @@ def _entry(
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    backend = os.environ.get("DW_TEST_BACKEND", "gloo")
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         result = worker(rank, world, *args)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))

@@ -66,6 +66,15 @@ def test_healthy_ddp_model_on_three_ranks_has_no_findings(tmp_path):
         assert res["report"]["subject"]["distributed"]["world_size"] == 3
 
 
+def test_a_training_group_with_a_backend_per_device_works_alike(tmp_path):
+    # deadweight talks over a gloo group of its own, whatever the training group uses
+    results = run_ranks(w.rank0_branch, 2, tmp_path, env={"DW_TEST_BACKEND": "cpu:gloo,cuda:gloo"})
+    for res in results.values():
+        rep = res["report"]
+        assert rep["subject"]["distributed"]["backend"] == "cpu:gloo,cuda:gloo"
+        assert [f["code"] for f in rep["findings"] if f["code"] == "DW108"] == ["DW108"]
+
+
 def test_optimizer_covering_different_parameters_per_rank(tmp_path):
     results = run_ranks(w.optimizer_differs, 2, tmp_path)
     rep = results[0]["report"]
