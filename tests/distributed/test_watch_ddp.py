@@ -73,3 +73,12 @@ def test_a_rank_dying_mid_run_leaves_the_others_reports_marked_incomplete(tmp_pa
         assert len(errors) == 1 and errors[0]["step"] == 40
     assert (tmp_path / "run.jsonl").exists()
     assert time.monotonic() - start < 60
+
+
+def test_ranks_holding_different_models_are_not_replicas(tmp_path):
+    # pipeline stages: different parameters per rank is the design, not DW207 or DW308
+    results = run_ranks(w.pipeline_stages, 2, tmp_path, str(tmp_path))
+    for res in results.values():
+        codes = _codes(res["report"])
+        assert "DW207" not in codes and "DW308" not in codes
+        assert res["report"]["subject"]["distributed"]["complete"] is True

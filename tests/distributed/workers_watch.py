@@ -111,3 +111,27 @@ def pin_under_ddp(rank: int, world: int) -> dict[str, Any]:
         "body_sum": float(net.body.weight.sum()),
         "pin_moved": handle.moved(),
     }
+
+
+class Stage(nn.Module):
+    """A pipeline stage: each rank holds different layers."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.add_module(f"block{rank}", nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return next(iter(self.children()))(x)
+
+
+def pipeline_stages(rank: int, world: int, out: str) -> dict[str, Any]:
+    torch.manual_seed(rank)
+    model = Stage(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with deadweight.watch(model, opt) as w:
+        for step in range(25):
+            x, _ = _batch(rank, step)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    return {"report": w.report().to_dict()}

@@ -96,7 +96,10 @@ class ReplicaCheck:
                     seen.add(n)
                     union.append(n)
         stepped = [{n for n, s in zip(names, st, strict=True) if s} for names, st in per_rank]
-        if any(h != stepped[0] for h in stepped):
+        held = [set(names) for names, _ in per_rank]
+        # Only ranks that watch the same model are replicas whose optimizers should
+        # match; different models per rank (pipeline stages) are not a mismatch.
+        if all(h == held[0] for h in held) and any(s != stepped[0] for s in stepped):
             self.emit(
                 {
                     "event": "rank_params",
@@ -106,7 +109,6 @@ class ReplicaCheck:
                     "held": [[n in h for n in union] for h in stepped],
                 }
             )
-        held = [set(names) for names, _ in per_rank]
         common = [n for n in union if all(n in h for h in held)]
         where = {n: i for i, n in enumerate(self.names)}
         return [where[n] for n in common]
