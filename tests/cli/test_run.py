@@ -147,6 +147,9 @@ def _start_forever(tmp_path: Path) -> subprocess.Popen:
         cwd=tmp_path,
         env=ENV,
         start_new_session=True,  # a process group of its own, as a terminal job would be
+        # Ctrl-C as at a terminal, even when this test runs in a background job: a shell
+        # starts background commands with SIGINT ignored, and children inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + TIMEOUT
     while not (log.exists() and '"event":"step"' in log.read_text()):
