@@ -39,6 +39,12 @@ from deadweight.report import Report
 
 log = logging.getLogger(__name__)
 
+# Losses held on their device between watched steps. A loop that logs more often than
+# it steps (evaluation inside the loop), or a process that never steps, must not hold
+# memory without bound: at this many the values are read back (one sync) or, with no
+# optimizer watched yet, dropped. 4096 0-d tensors are 2 MB of 512-byte CUDA blocks.
+MAX_PENDING_LOSSES = 4096
+
 
 def exit_reason(exc: BaseException | None) -> str:
     """The `end` event's reason for a run that ended with `exc` (None: normally)."""
@@ -103,6 +109,12 @@ class Watch:
         # Optimizers whose monitor could not be built: left unwatched, not retried.
         self._unwatched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._closed = False
+        # The loss for the report's curve: detached values and their steps, read back
+        # in one transfer per watched step (`log_loss`).
+        self._losses: list[torch.Tensor | float] = []
+        self._loss_steps: list[int] = []
+        self._loss_after_step: bool | None = None  # how the loop logs, seen at its first call
+        self._loss_off = False  # set when recording the loss failed once
         self._names: dict[int, str] = owners.parameter_names(self.models)
         self._emit(start_event(config.to_dict(), argv))
         watched = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
@@ -229,6 +241,8 @@ class Watch:
                 replica = self._replicas.get(id(optimizer))
                 if replica is not None:
                     replica.after_step(monitor.step, monitor.start_step)
+                if monitor.window == 0 and self._losses:  # it recorded: a watched step
+                    self._flush_losses()
 
     def _current_monitor(self, optimizer: torch.optim.Optimizer) -> StepMonitor | None:
         """The optimizer's monitor; a new one when parameters were added to the optimizer
@@ -269,6 +283,106 @@ class Watch:
                 del scaler.step
 
         self._restore.append(restore)
+
+    # -- the loss ---------------------------------------------------------------------------
+
+    def log_loss(self, loss: torch.Tensor | float, *, step: int | None = None) -> None:
+        """Record the training loss, for the loss curve of `deadweight report -o`.
+
+        Costs a `detach()` and two list appends: no host sync. The values stay on their
+        device until the next watched step, where they are read back in one transfer.
+        A loss with several elements is averaged; several losses of one step (gradient
+        accumulation) are averaged in the report.
+
+        step: the optimizer step the loss belongs to, counted from 1 when watching
+            began. By default the step in progress (a closure) or, between steps, the
+            coming one when the loop logs before `optimizer.step()` and the one just
+            taken when it logs after it; which of the two is seen at the first call (no
+            step taken yet: before).
+        """
+        if self._closed or self._loss_off:
+            return
+        try:
+            self._record_loss(loss, self._loss_step(before=None) if step is None else int(step))
+        except Exception as exc:  # never let deadweight stop training
+            self._loss_failed(exc)
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps since watching began (of the optimizer that stepped most):
+        the step numbers of the log and of `log_loss`."""
+        return max((m.step for m in self._monitors.values()), default=0)
+
+    def _loss_step(self, *, before: bool | None) -> int:
+        """The step a loss recorded now belongs to (`before`: the loop logs before its
+        `optimizer.step()`; None: decide at the first call)."""
+        taken = self.steps_taken
+        if any(m._began for m in self._monitors.values()):
+            return taken  # inside optimizer.step(closure): the step in progress
+        if before is None:
+            if self._loss_after_step is None:
+                self._loss_after_step = taken > 0
+            before = not self._loss_after_step
+        return taken + 1 if before else taken
+
+    def _record_loss(self, loss: torch.Tensor | float, step: int) -> None:
+        value: torch.Tensor | float
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach() if loss.numel() == 1 else loss.detach().float().mean()
+        else:
+            value = float(loss)
+        self._losses.append(value)
+        self._loss_steps.append(step)
+        if len(self._losses) >= MAX_PENDING_LOSSES:
+            if self._monitors:
+                self._flush_losses()
+            else:
+                self._losses.clear()
+                self._loss_steps.clear()
+
+    def _flush_losses(self) -> None:
+        """One `loss` event with everything recorded since the last one."""
+        losses, steps = self._losses, self._loss_steps
+        if not losses:
+            return
+        self._losses, self._loss_steps = [], []
+        try:
+            values: list[float | None] = [v if isinstance(v, float) else None for v in losses]
+            by_device: dict[torch.device, list[int]] = {}
+            for i, v in enumerate(losses):
+                if isinstance(v, torch.Tensor):
+                    by_device.setdefault(v.device, []).append(i)
+            for positions in by_device.values():
+                # One transfer per device (a host sync), once per watched step.
+                tensors = [
+                    v.reshape(()) for i in positions if isinstance(v := losses[i], torch.Tensor)
+                ]
+                read = torch.stack(tensors).double().tolist()
+                for i, v in zip(positions, read, strict=True):
+                    values[i] = v
+            self._emit(
+                {
+                    "event": "loss",
+                    "steps": steps,
+                    # 7 significant digits: the curve needs no more, and the log stays small.
+                    "values": [float(f"{v:.7g}") if v is not None else None for v in values],
+                }
+            )
+        except Exception as exc:
+            self._loss_failed(exc)
+
+    def _loss_failed(self, exc: Exception) -> None:
+        self._loss_off = True
+        self._losses, self._loss_steps = [], []
+        self._emit(
+            {
+                "event": "error",
+                "optimizer": None,
+                "step": self.stats.steps,
+                "detector": "loss",
+                "message": f"{type(exc).__name__}: {exc}",
+            }
+        )
 
     def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """Call `listener(event)` with every event after it is recorded (integrations use
@@ -350,6 +464,7 @@ class Watch:
         for monitor in self._monitors.values():
             with contextlib.suppress(Exception):
                 monitor.finish()
+        self._flush_losses()
         self._emit({"event": "end", "reason": reason, "steps": self.stats.steps})
         if self._writer is not None:
             with contextlib.suppress(Exception):  # a failing flush must not end the script
@@ -370,16 +485,68 @@ class Watch:
 class GlobalWatch(Watch):
     """Watches every optimizer that steps while it is open (zero-code mode)."""
 
-    def __init__(self, *, config: MonitorConfig, log: str | None, argv: list[str] | None) -> None:
+    def __init__(
+        self,
+        *,
+        config: MonitorConfig,
+        log: str | None,
+        argv: list[str] | None,
+        loss: bool = True,
+    ) -> None:
         super().__init__(config=config, log=log, argv=argv, lazy_log=True)
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,
         )
 
+        # The unscaled loss behind the tensor a GradScaler returned last, so the loss
+        # seen at backward is the script's own (scale() output, detached loss).
+        self._scaled: tuple[weakref.ref[torch.Tensor], torch.Tensor] | None = None
         self._handles.append(register_optimizer_step_pre_hook(self._global_pre))
         self._handles.append(register_optimizer_step_post_hook(self._global_post))
-        self._patch_grad_scaler()
+        self._patch_grad_scaler(loss)
+        if loss:
+            self._patch_backward()
+
+    def _patch_backward(self) -> None:
+        """Record the loss of a script that does not log it: the scalar on which
+        `.backward()` is called. The wrapper costs a Python call and a detach per
+        backward (benchmarks/README.md); it is removed when the watch closes.
+        `torch.autograd.backward(loss)` and `torch.autograd.grad` are not seen."""
+        original = torch.Tensor.backward
+        record = self._loss_from_backward
+
+        def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            result = original(tensor, *args, **kwargs)
+            # After backward returned: a backward that raises records nothing.
+            record(tensor, args, kwargs)
+            return result
+
+        backward.__doc__ = original.__doc__
+        torch.Tensor.backward = backward  # type: ignore[method-assign,assignment]
+
+        def restore() -> None:
+            if torch.Tensor.backward is backward:  # not if someone wrapped it after us
+                torch.Tensor.backward = original  # type: ignore[method-assign]
+
+        self._restore.append(restore)
+
+    def _loss_from_backward(
+        self, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if self._closed or self._loss_off:
+            return
+        try:
+            gradient = args[0] if args else kwargs.get("gradient")
+            if gradient is not None or tensor.numel() != 1:
+                return  # a vector-Jacobian product, not a loss
+            scaled = self._scaled
+            if scaled is not None and scaled[0]() is tensor:
+                tensor = scaled[1]
+            # backward runs before optimizer.step(), or inside its closure.
+            self._record_loss(tensor, self._loss_step(before=True))
+        except Exception as exc:  # never let deadweight stop training
+            self._loss_failed(exc)
 
     def _global_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         with contextlib.suppress(Exception):
@@ -422,11 +589,13 @@ class GlobalWatch(Watch):
                     other.finish()
         return self._monitor_or_none(optimizer)
 
-    def _patch_grad_scaler(self) -> None:
+    def _patch_grad_scaler(self, loss: bool) -> None:
         try:
             from torch.amp.grad_scaler import GradScaler
         except ImportError:  # pragma: no cover - torch without amp
             return
+        if loss:
+            self._patch_scale(GradScaler)
         original = GradScaler.step
         monitors = self._monitors
 
@@ -444,6 +613,23 @@ class GlobalWatch(Watch):
 
         def restore() -> None:
             GradScaler.step = original  # type: ignore[method-assign]
+
+        self._restore.append(restore)
+
+    def _patch_scale(self, scaler_class: Any) -> None:
+        original = scaler_class.scale
+
+        def scale(scaler: Any, outputs: Any) -> Any:
+            result = original(scaler, outputs)
+            if isinstance(outputs, torch.Tensor) and result is not outputs:
+                with contextlib.suppress(Exception):
+                    self._scaled = (weakref.ref(result), outputs.detach())
+            return result
+
+        scaler_class.scale = scale
+
+        def restore() -> None:
+            scaler_class.scale = original
 
         self._restore.append(restore)
 
@@ -569,10 +755,16 @@ def watch(
 
 @contextlib.contextmanager
 def watch_all(
-    *, every: int = 20, log: str | None = None, full: bool = False, argv: list[str] | None = None
+    *,
+    every: int = 20,
+    log: str | None = None,
+    full: bool = False,
+    argv: list[str] | None = None,
+    loss: bool = True,
 ) -> Iterator[GlobalWatch]:
-    """Watch every optimizer that steps inside the block (what `deadweight run` uses)."""
-    w = GlobalWatch(config=MonitorConfig(every=every, full=full), log=log, argv=argv)
+    """Watch every optimizer that steps inside the block (what `deadweight run` uses);
+    with `loss`, record the loss of every scalar `.backward()` for the report's curve."""
+    w = GlobalWatch(config=MonitorConfig(every=every, full=full), log=log, argv=argv, loss=loss)
     try:
         yield w
     except BaseException as exc:

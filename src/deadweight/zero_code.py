@@ -23,6 +23,8 @@ ENV_LOG = "DEADWEIGHT_RUN_LOG"
 ENV_EVERY = "DEADWEIGHT_RUN_EVERY"
 ENV_FULL = "DEADWEIGHT_RUN_FULL"
 ENV_OWNER = "DEADWEIGHT_RUN_OWNER"  # pid of the process that writes the main log
+# "0": do not wrap Tensor.backward to record the loss (the report then has no loss curve)
+ENV_LOSS = "DEADWEIGHT_RUN_LOSS"
 
 _reason = ["exited"]
 
@@ -53,7 +55,12 @@ def start() -> None:
     config = MonitorConfig(
         every=int(os.environ.get(ENV_EVERY, "20")), full=os.environ.get(ENV_FULL) == "1"
     )
-    watch = RunWatch(config=config, log=os.environ[ENV_LOG], argv=list(sys.argv))
+    watch = RunWatch(
+        config=config,
+        log=os.environ[ENV_LOG],
+        argv=list(sys.argv),
+        loss=os.environ.get(ENV_LOSS) != "0",
+    )
     previous_hook = sys.excepthook
 
     def excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:

@@ -16,6 +16,10 @@ One JSON object per line, each with an `event` key:
     nonfinite     first step a parameter's grad or value was NaN/Inf
     skip          a GradScaler skipped a step (`counted_as_step` when a fused
                   optimizer's step() ran and skipped inside)
+    loss          (schema 2) training losses handed to `Watch.log_loss`, or seen by
+                  `deadweight run` at `.backward()`, since the previous loss event:
+                  `steps` and `values` (null where non-finite), one transfer per
+                  watched step
     error         a detector failed and was disabled (training went on)
     end           the run ended: closed, exited, raised, or was interrupted
 
@@ -35,8 +39,11 @@ from typing import IO, Any
 
 from deadweight._version import __version__
 
-# Bumped on an incompatible change of the event layout; new keys keep the number.
-LOG_SCHEMA_VERSION = 1
+# Bumped when a log carries what an older reader would miss without a word: new keys
+# in an existing event keep the number. A reader accepts every version up to its own
+# and notes a newer one (reading what it can). 2: `loss` events; a version-1 log has
+# none, and the report then says the loss was not recorded.
+LOG_SCHEMA_VERSION = 2
 
 
 def _finite(value: Any) -> Any:

@@ -120,6 +120,14 @@ class WatchStats:
     ranks: dict[str, Any] | None = None
     replicas: dict[str, dict[str, Any]] = field(default_factory=dict)
     rank_params: dict[str, Any] | None = None
+    # The training loss, when the run recorded it (log schema 2): one entry per
+    # recorded value, several per step under gradient accumulation; None: non-finite.
+    loss_steps: list[int] = field(default_factory=list)
+    loss_values: list[float | None] = field(default_factory=list)
+
+    @property
+    def loss_recorded(self) -> bool:
+        return bool(self.loss_steps)
 
     @property
     def steps(self) -> int:
@@ -331,6 +339,13 @@ class WatchStats:
             seen["norm_spread"] = max(
                 seen["norm_spread"], event["norm_max"][k] - event["norm_min"][k]
             )
+
+    def _on_loss(self, event: dict[str, Any]) -> None:
+        steps, values = event["steps"], event["values"]
+        if len(steps) != len(values):
+            raise ValueError(f"{len(steps)} steps for {len(values)} loss values")
+        self.loss_steps += [int(s) for s in steps]
+        self.loss_values += [None if v is None else float(v) for v in values]
 
     def _on_rank_params(self, event: dict[str, Any]) -> None:
         self.rank_params = dict(event)
