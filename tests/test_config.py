@@ -139,3 +139,92 @@ def test_config_object_and_explicit_path(tmp_path: Path) -> None:
     assert [f.code for f in deadweight.lint_paths([tmp_path], config=path).findings] == ["DW502"]
     own = Config(root=tmp_path, ignore=("DW5",))
     assert deadweight.lint_paths([tmp_path], config=own).findings == ()
+
+
+# --- one configuration for every subcommand: deadweight.toml, fail-on, thresholds ------
+
+
+def test_deadweight_toml_holds_the_keys_at_top_level_and_wins_in_its_directory(
+    tmp_path: Path,
+) -> None:
+    pyproject(tmp_path, 'ignore = ["DW504"]\n')
+    own = tmp_path / "deadweight.toml"
+    own.write_text('ignore = ["DW502"]\nfail-on = "error"\n\n[thresholds]\noutlier-z = 7.5\n')
+    cfg = config.for_path(tmp_path / "src" / "m.py")
+    assert cfg.path == own and cfg.own_file
+    assert cfg.ignore == ("DW502",) and cfg.fail_on == "error"
+    assert cfg.thresholds.outlier_z == 7.5
+    assert cfg.source_of("thresholds.outlier-z") == str(own)
+    assert cfg.source_of("thresholds.never-moved-steps") == "default"
+    own.unlink()  # without it, the pyproject.toml governs
+    assert config.for_path(tmp_path).ignore == ("DW504",)
+
+
+def test_fail_on_and_thresholds_are_read_and_their_sources_named(tmp_path: Path) -> None:
+    path = pyproject(tmp_path, """
+fail-on = "info"
+
+[tool.deadweight.thresholds]
+never-moved-steps = 200
+quantization-scheme = "int8-channel"
+""")  # fmt: skip
+    cfg = config.load(path)
+    assert cfg.fail_on == "info"
+    assert cfg.thresholds.never_moved_steps == 200
+    assert cfg.thresholds.quantization_scheme == "int8-channel"
+    assert cfg.thresholds.outlier_z == 5.0  # untouched keys keep their defaults
+    assert cfg.source_of("fail-on") == f"{path} [tool.deadweight]"
+    assert cfg.source_of("select") == "default"
+    effective = cfg.effective()
+    assert effective["thresholds.never-moved-steps"] == 200 and effective["fail-on"] == "info"
+    assert config.default().fail_on == "warning"
+
+
+def test_threshold_and_fail_on_problems_are_all_reported_with_the_nearest_key(
+    tmp_path: Path,
+) -> None:
+    path = pyproject(tmp_path, """
+fail-on = "warnings"
+thresold = 1
+
+[tool.deadweight.thresholds]
+outlier_zz = 3
+never-moved-steps = 2.5
+noise-floor-ulps = -1
+quantization-scheme = "int3-bogus"
+""")  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        config.load(path)
+    message = str(info.value)
+    assert "fail-on must be one of error, warning, info, never, got 'warnings'" in message
+    assert "(did you mean 'warning'?)" in message
+    assert "unknown key 'thresold' (did you mean 'thresholds'?)" in message
+    assert "unknown key 'outlier_zz' (did you mean 'outlier-z'?)" in message
+    assert "never-moved-steps must be a whole number, got 2.5" in message
+    assert "noise-floor-ulps must be positive, got -1" in message
+    assert "quantization-scheme is not a quantization scheme" in message
+
+
+def test_a_tool_table_in_deadweight_toml_is_explained(tmp_path: Path) -> None:
+    own = tmp_path / "deadweight.toml"
+    own.write_text('[tool.deadweight]\nignore = ["DW504"]\n')
+    with pytest.raises(ConfigError, match="holds the keys at its top level"):
+        config.load(own)
+
+
+def test_the_api_reads_a_configuration_only_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pyproject(tmp_path, 'ignore = ["DW107"]\n[tool.deadweight.thresholds]\noutlier-z = 9\n')
+    monkeypatch.chdir(tmp_path)
+    # not asked: nothing read, the active thresholds apply
+    select, ignore, limits = config.resolve(None, None, ["DW101"])
+    assert not select and ignore == ("DW101",) and limits.outlier_z == 5.0
+    # asked: True finds the nearest file; select replaces, ignore adds, thresholds override
+    select, ignore, limits = config.resolve(True, ["DW1"], ["DW101"], {"never-moved-steps": 7})
+    assert list(select or ()) == ["DW1"] and ignore == ("DW107", "DW101")
+    assert (limits.outlier_z, limits.never_moved_steps) == (9, 7)
+    assert deadweight.load_config().ignore == ("DW107",)
+    assert deadweight.load_config(tmp_path / "pyproject.toml").thresholds.outlier_z == 9
+    with pytest.raises(ConfigError, match="unknown key 'outlier-zz'"):
+        config.resolve(True, thresholds={"outlier-zz": 1})

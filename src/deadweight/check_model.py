@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from deadweight.config import ConfigLike, applies_settings
 from deadweight.errors import CollectiveError, InputError
 from deadweight.findings import Finding
 from deadweight.probes import distributed
@@ -15,8 +16,10 @@ from deadweight.probes.grad_flow import GradFlowStats, measure_grad_flow
 from deadweight.registry import Selection, rules_consuming
 from deadweight.report import Report
 from deadweight.rules._ranks import merge_rank_findings
+from deadweight.thresholds import Thresholds
 
 
+@applies_settings
 def check(
     model: nn.Module,
     loss_fn: Callable[[], Any],
@@ -24,6 +27,8 @@ def check(
     *,
     select: Iterable[str] | str | None = None,
     ignore: Iterable[str] | str | None = None,
+    config: ConfigLike = None,
+    thresholds: Thresholds | Mapping[str, Any] | None = None,
 ) -> Report:
     """Check that every trainable parameter of `model` gets a gradient, and why not.
 
@@ -34,6 +39,10 @@ def check(
     left behind, also when `loss_fn` raises (`LossFnError`, chained to the original).
 
     `select` / `ignore` take rule codes (`DW101`), code prefixes (`DW1`) or names.
+    `config` reads the project configuration (True: the nearest deadweight.toml or
+    `[tool.deadweight]`; or a path, or `deadweight.load_config()`): its select, ignore
+    and thresholds apply unless given here. `thresholds` sets some of them, e.g.
+    ``{"noise-floor-ulps": 32}``; `deadweight config` lists them.
 
     Under torch.distributed (a DDP-wrapped model, or any model once the process
     group spans several ranks) call it on every rank: each rank checks its own

@@ -1,13 +1,25 @@
-"""Project settings from `[tool.deadweight]` in the nearest pyproject.toml.
+"""Project settings: `[tool.deadweight]` in pyproject.toml, or a deadweight.toml.
 
     [tool.deadweight]
-    select = ["DW5"]                     # rule codes, code prefixes or names
+    select = ["DW1", "DW5"]              # rule codes, code prefixes or names
     ignore = ["DW504"]
+    fail-on = "error"                    # error, warning (the default), info or never
     exclude = ["third_party"]            # never linted when met while walking a directory
     inference-only = ["serve/**", "src/model.rs::generate*"]
 
     [tool.deadweight.per-file-ignores]
     "tests/**" = ["DW501"]
+
+    [tool.deadweight.thresholds]         # deadweight.thresholds lists them, with defaults
+    never-moved-steps = 200
+    quantization-scheme = "int8-channel"
+
+A deadweight.toml holds the same keys at its top level (`[thresholds]`,
+`[per-file-ignores]`). The configuration of a directory is the nearest file, from
+there upwards, that is a deadweight.toml or a pyproject.toml with a `[tool.deadweight]`
+table; a deadweight.toml wins over a pyproject.toml in the same directory. Every
+subcommand reads it (lint per linted file, the others from the working directory);
+the Python API only when asked (`config=` or `deadweight.load_config()`).
 
 Patterns are relative to the directory of the pyproject.toml. `*` and `?` stay
 within one path component, `**` spans any number of them; a pattern without `/`
@@ -22,17 +34,22 @@ unknown key names the nearest known one.
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import fnmatch
 import functools
+import inspect
+import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from deadweight.errors import ConfigError
+from deadweight.thresholds import DEFAULT as DEFAULT_THRESHOLDS
+from deadweight.thresholds import KEYS as THRESHOLD_KEYS
+from deadweight.thresholds import Thresholds, current, did_you_mean, key_of, using
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,11 +60,16 @@ else:  # pragma: no cover - Python 3.10
         tomllib = None
 
 FILENAME = "pyproject.toml"
+OWN_FILENAME = "deadweight.toml"
+FAIL_ON_CHOICES = ("error", "warning", "info", "never")
+DEFAULT_FAIL_ON = "warning"
 
 # key -> what it holds, for the error message
 KEYS: dict[str, str] = {
     "select": "a list of rule codes, code prefixes or names",
     "ignore": "a list of rule codes, code prefixes or names",
+    "fail-on": "one of " + ", ".join(FAIL_ON_CHOICES),
+    "thresholds": "a table of threshold = value (`deadweight config` lists them)",
     "exclude": "a list of path patterns",
     "per-file-ignores": "a table of path pattern = list of rule codes, code prefixes or names",
     "inference-only": "a list of path patterns, each optionally with ::FUNCTION",
@@ -65,6 +87,31 @@ class Config:
     exclude: tuple[str, ...] = ()
     per_file_ignores: tuple[tuple[str, tuple[str, ...]], ...] = ()
     inference_only: tuple[str, ...] = field(default=())
+    fail_on: str = DEFAULT_FAIL_ON
+    thresholds: Thresholds = DEFAULT_THRESHOLDS
+    # keys set by the file (`fail-on`, `thresholds.outlier-z`); the rest are defaults
+    explicit: frozenset[str] = frozenset()
+    own_file: bool = False  # a deadweight.toml (keys at the top level)
+
+    def source_of(self, key: str) -> str:
+        """Where a key's value came from: the file (and table) that set it, or `default`."""
+        if key in self.explicit and self.path is not None:
+            table = "" if self.own_file else " [tool.deadweight]"
+            return f"{self.path}{table}"
+        return "default"
+
+    def effective(self) -> dict[str, Any]:
+        """Every key with its value, thresholds as `thresholds.KEY`, in a stable order."""
+        values: dict[str, Any] = {
+            "select": list(self.select),
+            "ignore": list(self.ignore),
+            "fail-on": self.fail_on,
+            "exclude": list(self.exclude),
+            "per-file-ignores": {p: list(r) for p, r in self.per_file_ignores},
+            "inference-only": list(self.inference_only),
+        }
+        values.update({f"thresholds.{k}": v for k, v in self.thresholds.to_dict().items()})
+        return values
 
     def relative(self, path: str | Path) -> str | None:
         """`path` relative to the root in POSIX form, or None when it lies outside."""
@@ -107,10 +154,21 @@ def default(root: Path | None = None) -> Config:
 
 def find_pyproject(start: str | Path) -> Path | None:
     """The nearest pyproject.toml with a `[tool.deadweight]` table, from `start` upwards."""
+    return _find(start, own_file=False)
+
+
+def find_config_file(start: str | Path) -> Path | None:
+    """The nearest deadweight.toml, or pyproject.toml with a `[tool.deadweight]` table."""
+    return _find(start, own_file=True)
+
+
+def _find(start: str | Path, *, own_file: bool) -> Path | None:
     here = Path(start).resolve()
     if not here.is_dir():
         here = here.parent
     for directory in (here, *here.parents):
+        if own_file and (directory / OWN_FILENAME).is_file():
+            return directory / OWN_FILENAME
         candidate = directory / FILENAME
         if candidate.is_file() and _has_table(candidate):
             return candidate
@@ -130,27 +188,143 @@ def _has_table_cached(path: Path, mtime_ns: int) -> bool:
 
 
 def for_path(start: str | Path) -> Config:
-    """The configuration that governs `start`: its nearest `[tool.deadweight]`, or defaults."""
-    found = find_pyproject(start)
+    """The configuration that governs `start`: its nearest configuration file, or defaults."""
+    found = find_config_file(start)
     return load(found) if found else default()
 
 
 def load(path: str | Path) -> Config:
-    """Read `[tool.deadweight]` from a pyproject.toml; raises ConfigError listing every problem."""
+    """Read a deadweight.toml, or `[tool.deadweight]` of a pyproject.toml (or any other
+    .toml file); raises ConfigError listing every problem."""
     path = Path(path)
-    table = _read_toml(path).get("tool", {}).get("deadweight", {})
-    return from_table(table, root=path.resolve().parent, source=path)
+    if path.is_dir():
+        found = find_config_file(path)
+        if found is None:
+            raise ConfigError(f"{path}: no {OWN_FILENAME} or {FILENAME} with [tool.deadweight]")
+        path = found
+    document = _read_toml(path)
+    tool = document.get("tool")
+    nested = isinstance(tool, dict) and "deadweight" in tool
+    if path.name == FILENAME or (nested and path.name != OWN_FILENAME):
+        table = document.get("tool", {}).get("deadweight", {})
+        return from_table(table, root=path.resolve().parent, source=path)
+    return from_table(document, root=path.resolve().parent, source=path, own_file=True)
 
 
-def from_table(table: Any, *, root: Path, source: Path | None = None) -> Config:
-    """Validate a `[tool.deadweight]` table (already parsed) and build the Config."""
-    where = f"{source} [tool.deadweight]" if source else "[tool.deadweight]"
+def load_config(path: str | Path | None = None) -> Config:
+    """The project configuration, for the Python API: the file at `path` (a
+    deadweight.toml or pyproject.toml, or a directory to search from), else the
+    nearest one from the working directory upwards, else the defaults.
+
+    Pass the result as `config=` to `check`, `watch`, `inspect_checkpoints`, ...
+    """
+    if path is None:
+        return for_path(Path.cwd())
+    return load(path)
+
+
+ConfigLike = Config | str | os.PathLike[str] | bool | None
+Rules = Iterable[str] | str | None
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a project configuration contributes to one API call."""
+
+    select: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = ()
+    thresholds: Thresholds = DEFAULT_THRESHOLDS
+
+    def rules(self, select: Rules, ignore: Rules) -> tuple[Rules, tuple[str, ...]]:
+        """An explicit `select` replaces the configured one; `ignore` adds to it."""
+        return (select if _entries(select) else self.select), (*self.ignore, *_entries(ignore))
+
+
+def settings_for(
+    config: ConfigLike, thresholds: Thresholds | Mapping[str, Any] | None = None
+) -> Settings:
+    """`config` is None or False (no file is read: the active thresholds apply), True
+    (the nearest file from the working directory), a path or a Config; `thresholds` (a
+    Thresholds, or a mapping of some keys) overrides the configured values."""
+    cfg: Config | None
+    if config is None or config is False:
+        cfg = None
+    elif config is True:
+        cfg = load_config()
+    elif isinstance(config, Config):
+        cfg = config
+    else:
+        cfg = load(os.fspath(config))
+    # Without a configuration, the thresholds already active (an enclosing `using()`, or
+    # those the command line read) stay in force.
+    if cfg is None:
+        base = Settings(thresholds=current())
+    else:
+        base = Settings(cfg.select, cfg.ignore, cfg.thresholds)
+    if thresholds is None:
+        return base
+    if isinstance(thresholds, Thresholds):
+        return dataclasses.replace(base, thresholds=thresholds)
+    return dataclasses.replace(base, thresholds=base.thresholds.updated(thresholds))
+
+
+def resolve(
+    config: ConfigLike, select: Rules = None, ignore: Rules = None, thresholds: Any = None
+) -> tuple[Rules, tuple[str, ...], Thresholds]:
+    """(select, ignore, thresholds) of an API call with these arguments."""
+    settings = settings_for(config, thresholds)
+    chosen, ignored = settings.rules(select, ignore)
+    return chosen, ignored, settings.thresholds
+
+
+def applies_settings(fn: Callable[P, R]) -> Callable[P, R]:
+    """For the API functions that judge, with `select`, `ignore`, `config` and
+    `thresholds` keywords: the configuration is resolved once, select/ignore merged,
+    and the function runs with the thresholds active."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        bound = signature.bind(*args, **kwargs)
+        given = bound.arguments
+        select, ignore, limits = resolve(
+            given.get("config"), given.get("select"), given.get("ignore"),
+            given.get("thresholds"),
+        )  # fmt: skip
+        given.update(select=select, ignore=ignore, config=None, thresholds=limits)
+        with using(limits):
+            return fn(*bound.args, **bound.kwargs)
+
+    return wrapper
+
+
+def _entries(rules: Iterable[str] | str | None) -> tuple[str, ...]:
+    if rules is None:
+        return ()
+    return (rules,) if isinstance(rules, str) else tuple(rules)
+
+
+def from_table(
+    table: Any, *, root: Path, source: Path | None = None, own_file: bool = False
+) -> Config:
+    """Validate a `[tool.deadweight]` table, or a deadweight.toml (`own_file`), already
+    parsed, and build the Config."""
+    own = own_file
+    name = "" if own else " [tool.deadweight]"
+    where = f"{source}{name}" if source else "[tool.deadweight]"
     problems: list[str] = []
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: expected a table, got {type(table).__name__}")
     for key in table:
         if key not in KEYS:
-            problems.append(f"unknown key {key!r}{_did_you_mean(key, KEYS)}")
+            hint = _did_you_mean(key, [*KEYS, *(f"thresholds.{k}" for k in THRESHOLD_KEYS)])
+            if own and key == "tool":
+                hint = (
+                    f" ({OWN_FILENAME} holds the keys at its top level, without [tool.deadweight])"
+                )
+            problems.append(f"unknown key {key!r}{hint}")
 
     def string_list(key: str) -> tuple[str, ...]:
         value = table.get(key, [])
@@ -182,8 +356,26 @@ def from_table(table: Any, *, root: Path, source: Path | None = None) -> Config:
     for entry in inference_only:
         if entry.partition("::")[0] == "":
             problems.append(f"inference-only entry {entry!r} has no path pattern (use '**::NAME')")
+    fail_on = table.get("fail-on", DEFAULT_FAIL_ON)
+    if fail_on not in FAIL_ON_CHOICES:
+        problems.append(
+            f"fail-on must be {KEYS['fail-on']}, got {fail_on!r}"
+            + _did_you_mean(str(fail_on), FAIL_ON_CHOICES)
+        )
+        fail_on = DEFAULT_FAIL_ON
+    limits = DEFAULT_THRESHOLDS
+    raw_limits = table.get("thresholds", {})
+    if not isinstance(raw_limits, dict):
+        problems.append(f"thresholds must be {KEYS['thresholds']}, got {raw_limits!r}")
+        raw_limits = {}
+    try:
+        limits = DEFAULT_THRESHOLDS.updated(raw_limits, where="thresholds")
+    except ConfigError as exc:
+        problems.append(str(exc))
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
+    explicit = {k for k in table if k != "thresholds"}
+    explicit |= {f"thresholds.{key_of(str(k).replace('-', '_'))}" for k in raw_limits}
     return Config(
         root=root,
         path=source,
@@ -192,6 +384,10 @@ def from_table(table: Any, *, root: Path, source: Path | None = None) -> Config:
         exclude=exclude,
         per_file_ignores=tuple(per_file),
         inference_only=inference_only,
+        fail_on=fail_on,
+        thresholds=limits,
+        explicit=frozenset(explicit),
+        own_file=own,
     )
 
 
@@ -212,15 +408,12 @@ def rule_entry_problem(entry: str) -> str | None:
 
 
 def _did_you_mean(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return did_you_mean(word, choices)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
     if tomllib is None:  # pragma: no cover - Python 3.10 without tomli
-        raise ConfigError(
-            f"{path}: reading pyproject.toml on Python 3.10 needs `pip install tomli`"
-        )
+        raise ConfigError(f"{path}: reading TOML on Python 3.10 needs `pip install tomli`")
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)

@@ -10,12 +10,12 @@ still analysed. Nothing is ever written next to the checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from deadweight.config import ConfigLike, applies_settings
 from deadweight.probes import checkpoint_scan as scan
 from deadweight.probes.checkpoint_scan import (
-    DEFAULT_SCHEME,
     DiffStats,
     InspectStats,
     Progress,
@@ -23,6 +23,7 @@ from deadweight.probes.checkpoint_scan import (
 )
 from deadweight.registry import Selection, rules_consuming
 from deadweight.report import Report
+from deadweight.thresholds import Thresholds, current
 
 Rules = Iterable[str] | str | None
 
@@ -35,20 +36,29 @@ def _judge(
     return Report.of(kind, selection.filter(findings), subject)
 
 
+@applies_settings
 def inspect_checkpoints(
     paths: Sequence[str],
     *,
-    scheme: str | None = DEFAULT_SCHEME,
+    scheme: str | None = "default",
     unsafe_pickle: bool = False,
     select: Rules = None,
     ignore: Rules = None,
     progress: Progress | None = None,
     threads: int | None = None,
+    config: ConfigLike = None,
+    thresholds: Thresholds | Mapping[str, Any] | None = None,
 ) -> Report:
     """Per-tensor statistics, layer outliers (DW402), quantization risk under `scheme`
-    (DW403; None skips it) and non-finite values (DW404) of each checkpoint.
+    (DW403; None or "none" skips it; "default" is the `quantization-scheme` threshold,
+    int4-group128 unless configured) and non-finite values (DW404) of each checkpoint.
 
-    Tensors are reduced on `threads` threads (default: every core the process may use)."""
+    Tensors are reduced on `threads` threads (default: every core the process may use).
+    `config` and `thresholds` work as for `deadweight.check`."""
+    if scheme == "default":
+        scheme = current().quantization_scheme
+    if scheme == "none":
+        scheme = None
     stats = scan.inspect_checkpoints(
         paths, scheme=scheme, unsafe_pickle=unsafe_pickle, progress=progress, threads=threads
     )
@@ -84,6 +94,7 @@ def inspect_checkpoints(
     return _judge("inspect", stats, InspectStats, subject, select, ignore)
 
 
+@applies_settings
 def diff_checkpoints(
     a: str,
     b: str,
@@ -92,6 +103,8 @@ def diff_checkpoints(
     select: Rules = None,
     ignore: Rules = None,
     top: int = 10,
+    config: ConfigLike = None,
+    thresholds: Thresholds | Mapping[str, Any] | None = None,
 ) -> Report:
     """Tensors bitwise unchanged between two checkpoints (DW401), the top movers, and
     tensors added, removed or reshaped."""
@@ -122,8 +135,15 @@ def diff_checkpoints(
     return _judge("diff", stats, DiffStats, subject, select, ignore)
 
 
+@applies_settings
 def trend_checkpoints(
-    paths: Sequence[str], *, unsafe_pickle: bool = False, select: Rules = None, ignore: Rules = None
+    paths: Sequence[str],
+    *,
+    unsafe_pickle: bool = False,
+    select: Rules = None,
+    ignore: Rules = None,
+    config: ConfigLike = None,
+    thresholds: Thresholds | Mapping[str, Any] | None = None,
 ) -> Report:
     """Single-element tensors across a series of checkpoints ordered by step (DW405)."""
     stats = scan.trend_checkpoints(paths, unsafe_pickle=unsafe_pickle)

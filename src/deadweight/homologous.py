@@ -12,16 +12,16 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 
+from deadweight.thresholds import current
+
 # A layer index is a whole dotted component that is a number: `h.11.ln_1.weight`,
 # `model.layers.3.mlp`. Numbers inside a word (`fc1`, `conv2d`) are not indices.
 _INDEX = re.compile(r"(?:(?<=^)|(?<=\.))\d+(?=\.|$)")
 
 MIN_SIBLINGS = 3  # fewer layers than this make no population to stand out from
-# Robust z-score (0.6745 (x - median) / MAD, Iglewicz & Hoaglin) above which a layer
-# stands out, and how far from the siblings' median it must also be: the incident's
-# 56.25 next to 0.2-1.3 is 55 medians away.
-OUTLIER_Z = 5.0
-OUTLIER_MIN_FACTOR = 2.0  # positive values: at least 2x or 1/2x the median
+# The robust z-score above which a layer stands out (`outlier-z`) and the factor by
+# which positive values must also differ from the median (`outlier-min-factor`) are
+# configurable; deadweight.thresholds explains their defaults (5 and 2).
 OUTLIER_MIN_DEVIATION = 1.0  # values of mixed sign: at least one median's size away
 
 
@@ -64,8 +64,9 @@ def robust_outlier(values: list[float]) -> tuple[int, float] | None:
     deviations = [abs(x - median) for x in xs]
     mad = statistics.median(deviations)
     index = max(range(len(xs)), key=deviations.__getitem__)
-    least = math.log(OUTLIER_MIN_FACTOR) if positive else OUTLIER_MIN_DEVIATION * abs(median)
+    limits = current()
+    least = math.log(limits.outlier_min_factor) if positive else OUTLIER_MIN_DEVIATION * abs(median)
     if deviations[index] == 0 or deviations[index] < least:
         return None
     z = math.inf if mad == 0 else 0.6745 * deviations[index] / mad
-    return (index, z) if z >= OUTLIER_Z else None
+    return (index, z) if z >= limits.outlier_z else None

@@ -115,7 +115,7 @@ _CACHE: dict[tuple[str, int], Config] = {}
 
 
 def _nearest(path: str) -> Config:
-    found = config_module.find_pyproject(path)
+    found = config_module.find_config_file(path)
     if found is None:
         return config_module.default()
     key = (str(found), found.stat().st_mtime_ns)  # an edited file is read again

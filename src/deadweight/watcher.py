@@ -20,7 +20,7 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from deadweight.config import ConfigLike, Settings, settings_for
 from deadweight.errors import InputError
 from deadweight.probes import distributed, owners
 from deadweight.probes.event_log import LogWriter, log_path_for_rank, start_event
@@ -36,6 +37,7 @@ from deadweight.probes.step_monitor import MonitorConfig, StepMonitor
 from deadweight.probes.watch_stats import WatchStats
 from deadweight.registry import Selection, rules_consuming
 from deadweight.report import Report
+from deadweight.thresholds import Thresholds, using
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,9 @@ def _as_list(x: Any, kind: type) -> list[Any]:
 class Watch:
     """A running monitor. `report()` at any time; `close()` (or leaving the `with`
     block) removes every hook and ends the log."""
+
+    # The project's select/ignore and thresholds its reports use (`watch(config=...)`).
+    settings: Settings = Settings()
 
     def __init__(
         self,
@@ -448,7 +453,9 @@ class Watch:
         ignore: Iterable[str] | str | None = None,
     ) -> Report:
         """The findings so far (as of the last watched step)."""
-        return report_from_stats(self.stats, select=select, ignore=ignore, log=self.log_path)
+        select, ignore = self.settings.rules(select, ignore)
+        with using(self.settings.thresholds):
+            return report_from_stats(self.stats, select=select, ignore=ignore, log=self.log_path)
 
     def close(self, reason: str = "closed") -> None:
         if self._closed:
@@ -716,6 +723,8 @@ def watch(
     full: bool = False,
     scaler: Any = None,
     small: int | None = None,
+    config: ConfigLike = None,
+    thresholds: Thresholds | Mapping[str, Any] | None = None,
 ) -> Watch:
     """Watch training: install optimizer step hooks and return the running `Watch`.
 
@@ -729,7 +738,10 @@ def watch(
         (costs a copy of the parameters each watched step).
     scaler: a `torch.amp.GradScaler` whose skipped steps should be counted.
     small: parameters with at most this many elements get exact per-step statistics.
+    config, thresholds: the project configuration and thresholds its reports judge by,
+        as for `deadweight.check`.
     """
+    settings = settings_for(config, thresholds)  # a bad configuration fails before any hook
     models = _as_list(model, nn.Module)
     optimizers = _as_list(optimizer, torch.optim.Optimizer)
     if not optimizers:
@@ -743,14 +755,16 @@ def watch(
         raise InputError(
             f"{distributed.FSDP2_WATCH_UNSUPPORTED} (sharded: {', '.join(sharded[:3])})"
         )
-    config = MonitorConfig(
+    monitor = MonitorConfig(
         every=every, full=full, **({"small": small} if small is not None else {})
     )
     ranks = distributed.ranks_for()
     if log is not None and ranks is not None:
         # Rank 0 writes LOG, the others LOG.rankN, as under `deadweight run`.
         log = log_path_for_rank(os.fspath(log), str(ranks.rank))
-    return Watch(models, optimizers, config=config, log=log, scaler=scaler, argv=list(sys.argv))
+    w = Watch(models, optimizers, config=monitor, log=log, scaler=scaler, argv=list(sys.argv))
+    w.settings = settings
+    return w
 
 
 @contextlib.contextmanager

@@ -198,3 +198,46 @@ def test_single_thread_and_many_threads_agree(tmp_path: Path) -> None:
         many.stats.zeros,
     )
     assert one.stats.mean == pytest.approx(many.stats.mean, abs=1e-9)
+
+
+def _neighbours(value: float, dtype: str, steps: int = 3) -> list[float]:
+    """`value` in `dtype` and the representable values up to `steps` units either side."""
+    if dtype == "bfloat16":
+        bits = int(np.array(value, np.float32).view(np.uint32)) >> 16
+        words = np.array([bits + k for k in range(-steps, steps + 1)], np.uint32) << 16
+        return words.view(np.float32).astype(np.float64).tolist()
+    np_dtype = {"float16": np.float16, "float32": np.float32, "float64": np.float64}[dtype]
+    uint = {"float16": np.uint16, "float32": np.uint32, "float64": np.uint64}[dtype]
+    bits = np.array(value, np_dtype).view(uint)
+    ks = np.array(range(-steps, steps + 1), np.int64).astype(uint)
+    return (bits + ks).view(np_dtype).astype(np.float64).tolist()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("scheme", ["int4-group128", "int8-group64"])
+def test_elements_at_the_rounding_and_near_top_edges_count_exactly(
+    tmp_path: Path, dtype: str, scheme: str
+) -> None:
+    # Every group holds values a few units around top / (2 * qmax) (the largest magnitude
+    # that rounds to 0) and around top / 2 (the top is alone below it): the kernels'
+    # compares (as floats, or as 16-bit words for bf16) must count them as quant_risk does.
+    parsed = Scheme.parse(scheme)
+    qmax = 2 ** (parsed.bits - 1) - 1
+    group = parsed.group_size
+    assert group is not None
+    rng = np.random.default_rng(5)
+    groups = []
+    for g in range(300):
+        top = float(torch.tensor(rng.uniform(0.01, 10.0)).to(DTYPES[dtype]).item())
+        edges = _neighbours(top / (2 * qmax), dtype) + _neighbours(top / 2, dtype)
+        if g % 3 == 0:  # the top alone: nothing at or above top / 2 but the top
+            edges = [e for e in edges if e < top / 2]
+        rest = rng.uniform(-top / 4, top / 4, group - 1 - len(edges))
+        values = np.concatenate([[top], edges, rest]) * rng.choice([-1.0, 1.0], group)
+        groups.append(rng.permutation(values))
+    tensor = torch.tensor(np.stack(groups)).to(DTYPES[dtype])
+    result, whole = _scan(tmp_path, tensor, scheme)
+    assert result.risk is not None
+    want = quant_risk(whole, parsed)
+    _same_risk(result.risk, want)
+    assert want.zero_fraction > 0  # the edges did land on both sides of the rounding bound

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from deadweight import thresholds
+
 # A first-order relative loss change below this makes a parameter a candidate. In a
 # small reproduction of the layer-scalar incident the cancelled scalar scored 7e-7
 # per unit of <g, theta> and its healthy siblings 4e-3 to 2.5e-2; x9 for the probe's
@@ -56,9 +58,8 @@ SCALE_RESIDUE = 1e-3
 # At most this many extra forwards per check for the functional probes, half per kind.
 MAX_PROBE_FORWARDS = 24
 # A gradient is at the noise floor when moving the parameter by its own size (by 1
-# for an all-zero one) would, to first order, change the loss by less than 16 ulps
-# of the loss: |g| * max(|theta|, 1) <= 16 * eps * |loss|, eps of the loss's dtype.
-NOISE_FLOOR_ULPS = 16
+# for an all-zero one) would, to first order, change the loss by less than
+# `noise-floor-ulps` ulps of the loss (deadweight.thresholds, 16 by default).
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class GradStats:
         return SHIFT_RMS * self.param_rms if self.param_rms > 0 else SHIFT_FOR_ZERO
 
     def at_noise_floor(self, loss: float, eps: float) -> bool:
-        return self.grad_norm * max(self.param_norm, 1.0) <= NOISE_FLOOR_ULPS * eps * _safe(loss)
+        ulps = thresholds.current().noise_floor_ulps
+        return self.grad_norm * max(self.param_norm, 1.0) <= ulps * eps * _safe(loss)
 
     def shift_score(self, loss: float) -> float:
         return self.shift_step() * abs(self.grad_sum) / _safe(loss)

@@ -138,6 +138,33 @@ static inline double hmax_vd(vd v) {
     }
     return m[1] > m[0] ? m[1] : m[0];
 }
+/* A vector folded by maximum into its first 16 bytes (no further: the last lanes of a batch
+ * of groups are folded together in grids_*, across the batch). */
+static inline vf4 fold_max_vf(vf v) {
+    const char *p = (const char *)&v;
+    vf4 m;
+    memcpy(&m, p, 16);
+    for (int o = 16; o < VBYTES; o += 16) {
+        vf4 x;
+        memcpy(&x, p + o, 16);
+        vi4 bigger = (vi4)(x > m);
+        m = (vf4)(((vi4)x & bigger) | ((vi4)m & ~bigger));
+    }
+    return m;
+}
+static inline vd2 fold_max_vd(vd v) {
+    const char *p = (const char *)&v;
+    vd2 m;
+    memcpy(&m, p, 16);
+    for (int o = 16; o < VBYTES; o += 16) {
+        vd2 x;
+        memcpy(&x, p + o, 16);
+        vl2 bigger = (vl2)(x > m);
+        m = (vd2)(((vl2)x & bigger) | ((vl2)m & ~bigger));
+    }
+    return m;
+}
+
 static inline int64_t hsum_vfm(vfm v) {
 #if defined(__AVX512F__)
     return _mm512_reduce_add_epi32((__m512i)v);
@@ -165,6 +192,60 @@ static inline int64_t hsum_vdm(vdm v) {
     }
     return t[0] + t[1];
 }
+
+typedef uint16_t vw __attribute__((vector_size(VBYTES)));
+typedef int16_t vwm __attribute__((vector_size(VBYTES)));
+
+/* How many lanes of a comparison hold, as a scalar, so that a group's count needs no
+ * horizontal sum of a vector: AVX-512 compares into a mask register and counts its bits, AVX
+ * and SSE2 take the lanes' sign bits with movemask, other targets sum the lanes. */
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+#define COUNT_CMP_PS(a, b, op) __builtin_popcount(_mm512_cmp_ps_mask((__m512)(a), (__m512)(b), op))
+#define COUNT_CMP_PD(a, b, op) __builtin_popcount(_mm512_cmp_pd_mask((__m512d)(a), (__m512d)(b), op))
+static inline int64_t count_le_vf(vf a, vf b) { return COUNT_CMP_PS(a, b, _CMP_LE_OQ); }
+static inline int64_t count_ge_vf(vf a, vf b) { return COUNT_CMP_PS(a, b, _CMP_GE_OQ); }
+static inline int64_t count_eq_vf(vf a, vf b) { return COUNT_CMP_PS(a, b, _CMP_EQ_OQ); }
+static inline int64_t count_le_vd(vd a, vd b) { return COUNT_CMP_PD(a, b, _CMP_LE_OQ); }
+static inline int64_t count_ge_vd(vd a, vd b) { return COUNT_CMP_PD(a, b, _CMP_GE_OQ); }
+static inline int64_t count_eq_vd(vd a, vd b) { return COUNT_CMP_PD(a, b, _CMP_EQ_OQ); }
+static inline int64_t count_le_vw(vw a, vw b) {
+    return __builtin_popcount(_mm512_cmple_epu16_mask((__m512i)a, (__m512i)b));
+}
+static inline int64_t count_ge_vw(vw a, vw b) {
+    return __builtin_popcount(_mm512_cmpge_epu16_mask((__m512i)a, (__m512i)b));
+}
+/* zeros are counted as scalars too, not in vector lanes (see ACC_ADD) */
+#define SCALAR_ZEROS 1
+#else
+#if defined(__AVX__) && VBYTES == 32
+static inline int64_t count_vfm(vfm m) { return __builtin_popcount(_mm256_movemask_ps((__m256)m)); }
+static inline int64_t count_vdm(vdm m) { return __builtin_popcount(_mm256_movemask_pd((__m256d)m)); }
+#else
+#if defined(__SSE2__) && VBYTES == 16
+static inline int64_t count_vfm(vfm m) { return __builtin_popcount(_mm_movemask_ps((__m128)m)); }
+static inline int64_t count_vdm(vdm m) { return __builtin_popcount(_mm_movemask_pd((__m128d)m)); }
+#else
+static inline int64_t count_vfm(vfm m) { return -hsum_vfm(m); } /* true lanes are -1 */
+static inline int64_t count_vdm(vdm m) { return -hsum_vdm(m); }
+#endif
+#endif
+#if defined(__AVX2__) && VBYTES == 32
+/* a 16-bit lane gives two bits of the byte mask */
+static inline int64_t count_vwm(vwm m) { return __builtin_popcount(_mm256_movemask_epi8((__m256i)m)) / 2; }
+#elif defined(__SSE2__) && VBYTES == 16
+static inline int64_t count_vwm(vwm m) { return __builtin_popcount(_mm_movemask_epi8((__m128i)m)) / 2; }
+#else
+static inline int64_t count_vwm(vwm m) { /* true lanes are 0xffff */
+    return hsum_vfm((vfm)(((vu32)m & 0xffffu) + ((vu32)m >> 16))) / 0xffff;
+}
+#endif
+static inline int64_t count_le_vf(vf a, vf b) { return count_vfm((vfm)(a <= b)); }
+static inline int64_t count_ge_vf(vf a, vf b) { return count_vfm((vfm)(a >= b)); }
+static inline int64_t count_le_vd(vd a, vd b) { return count_vdm((vdm)(a <= b)); }
+static inline int64_t count_ge_vd(vd a, vd b) { return count_vdm((vdm)(a >= b)); }
+static inline int64_t count_le_vw(vw a, vw b) { return count_vwm((vwm)(a <= b)); }
+static inline int64_t count_ge_vw(vw a, vw b) { return count_vwm((vwm)(a >= b)); }
+#endif
 
 static inline float f32_from_bits(uint32_t bits) {
     float out;
@@ -221,6 +302,93 @@ static inline double zero_bound_d(double inv) {
         while (!isinf(t) && step_d(t, 1) * inv <= 0.5) t = step_d(t, 1);
     }
     return t;
+}
+
+
+/* A batch's grids at once, in vectors of GROUP_BATCH lanes (the compiler splits them into
+ * the target's registers): the scale top / qmax in double and its float inverse, as
+ * quantization.py computes them, and the zero bound by the same fixed steps as
+ * zero_bound_f. Lanes whose steps were not enough (none, in practice) get the exact search. */
+typedef float vbf __attribute__((vector_size(4 * GROUP_BATCH)));
+typedef uint32_t vbu __attribute__((vector_size(4 * GROUP_BATCH)));
+typedef int32_t vbm __attribute__((vector_size(4 * GROUP_BATCH)));
+typedef double vbd __attribute__((vector_size(8 * GROUP_BATCH)));
+typedef uint64_t vbul __attribute__((vector_size(8 * GROUP_BATCH)));
+typedef int64_t vbdm __attribute__((vector_size(8 * GROUP_BATCH)));
+
+static inline vbd positive_or_one(const vbd scale) {
+    const vbdm positive = (vbdm)(scale > 0);
+    return (vbd)(((vbdm)scale & positive) | ((vbdm)((vbd){} + 1.0) & ~positive));
+}
+
+static inline vbf max_vbf(vbf a, vbf b) {
+    const vbm bigger = (vbm)(b > a);
+    return (vbf)(((vbm)b & bigger) | ((vbm)a & ~bigger));
+}
+static inline vbd max_vbd(vbd a, vbd b) {
+    const vbdm bigger = (vbdm)(b > a);
+    return (vbd)(((vbdm)b & bigger) | ((vbdm)a & ~bigger));
+}
+
+/* The batch's largest magnitudes: the larger of the per-lane parts (what is left of each
+ * group's vector maximum, fold_max_vf) and the tails', and at least 0. */
+static void tops_f(float part[4][GROUP_BATCH], const float *tails, float *tops) {
+    vbf top, x;
+    memcpy(&top, tails, sizeof top);
+    for (int l = 0; l < 4; l++) {
+        memcpy(&x, part[l], sizeof x);
+        top = max_vbf(top, x);
+    }
+    top = max_vbf(top, (vbf){});
+    memcpy(tops, &top, sizeof top);
+}
+static void tops_d(double part[4][GROUP_BATCH], const double *tails, double *tops) {
+    vbd top, x;
+    memcpy(&top, tails, sizeof top);
+    for (int l = 0; l < 2; l++) {
+        memcpy(&x, part[l], sizeof x);
+        top = max_vbd(top, x);
+    }
+    top = max_vbd(top, (vbd){});
+    memcpy(tops, &top, sizeof top);
+}
+
+static void grids_f(const float *tops, double qmax, float *invs, float *bounds, int nb) {
+    vbf top;
+    memcpy(&top, tops, sizeof top);
+    const vbd scale = positive_or_one(__builtin_convertvector(top, vbd) / qmax);
+    const vbf inv = __builtin_convertvector(1.0 / scale, vbf);
+    vbu t = (vbu)(0.5f / inv);
+    t += (vbu)((vbf)t * inv > 0.5f); /* a true lane is all ones: one step down */
+    t += (vbu)((vbf)t * inv > 0.5f);
+    t -= (vbu)((vbf)(t + 1) * inv <= 0.5f);
+    t -= (vbu)((vbf)(t + 1) * inv <= 0.5f);
+    const vbm exact = (vbm)((vbf)t * inv <= 0.5f) &
+                      (((vbm)((t & 0x7fffffffu) == 0x7f800000u)) | ~(vbm)((vbf)(t + 1) * inv <= 0.5f)) &
+                      (vbm)(inv > 0) & (vbm)(inv < INFINITY);
+    memcpy(invs, &inv, sizeof inv);
+    for (int j = 0; j < nb; j++) bounds[j] = exact[j] ? f32_from_bits(t[j]) : zero_bound_f(inv[j]);
+}
+
+static void grids_d(const double *tops, double qmax, double *invs, double *bounds, int nb) {
+    vbd top;
+    memcpy(&top, tops, sizeof top);
+    const vbd inv = 1.0 / positive_or_one(top / qmax);
+    vbul t = (vbul)(0.5 / inv);
+    t += (vbul)((vbd)t * inv > 0.5);
+    t += (vbul)((vbd)t * inv > 0.5);
+    t -= (vbul)((vbd)(t + 1) * inv <= 0.5);
+    t -= (vbul)((vbd)(t + 1) * inv <= 0.5);
+    const vbdm exact =
+        (vbdm)((vbd)t * inv <= 0.5) &
+        (((vbdm)((t & 0x7fffffffffffffffULL) == 0x7ff0000000000000ULL)) | ~(vbdm)((vbd)(t + 1) * inv <= 0.5)) &
+        (vbdm)(inv > 0) & (vbdm)(inv < INFINITY);
+    memcpy(invs, &inv, sizeof inv);
+    for (int j = 0; j < nb; j++) {
+        double b;
+        memcpy(&b, (const char *)&t + 8 * j, sizeof b);
+        bounds[j] = exact[j] ? b : zero_bound_d(inv[j]);
+    }
 }
 
 /* Scalar loads (group tails, the slow path). */
@@ -330,13 +498,19 @@ static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
         sz = 0;                                                                             \
     } while (0)
 
+#ifdef SCALAR_ZEROS
+#define ZERO_ADD(VM, v, Z) (sz += _Generic((v), vf: count_eq_vf, vd: count_eq_vd)((v), (__typeof__(v)){}))
+#else
+#define ZERO_ADD(VM, v, Z) (Z -= (VM)((v) == 0)) /* a true lane is -1 */
+#endif
+
 #define ACC_ADD(MIN, MAX, VM, v, sh, LO, HI, S, Q, Z)                                       \
     do {                                                                                    \
         LO = MIN((v), LO);                                                                  \
         HI = MAX((v), HI);                                                                  \
         S += (v);                                                                           \
         Q += ((v) - (sh)) * ((v) - (sh));                                                   \
-        Z -= (VM)((v) == 0); /* a true lane is -1 */                                        \
+        ZERO_ADD(VM, v, Z);                                                                 \
     } while (0)
 
 #define ACC_ADD_SCALAR(v, sh)                                                               \
@@ -456,12 +630,89 @@ static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
             }                                                                               \
             bulk = second;                                                                  \
         }                                                                                   \
-        const double ratio = bulk > 0 ? fmax((double)tj / (double)bulk, 1.0) : 1.0;         \
+        const double ratio =                                                                \
+            bulk == tj ? 1.0 : (bulk > 0 ? fmax((double)tj / (double)bulk, 1.0) : 1.0);   \
         if (ratio > gj->worst_ratio || gj->worst_block < 0) {                               \
             gj->worst_ratio = ratio;                                                        \
             gj->worst_block = id;                                                           \
         }                                                                                   \
     }
+
+/*
+ * Pass 2 over one group, from L1: adds to *below the elements with |v| <= bound
+ * and returns how many have 2|v| >= top.
+ */
+#define DEFINE_PASS2(NAME, SRC, VAL, V, W, ABS, COUNT_LE, COUNT_GE, VLOAD2, LOAD)           \
+    static inline int64_t pass2_##NAME(const SRC *p, int64_t len, VAL top, VAL bound,       \
+                                       int64_t *below) {                                    \
+        const VAL half = top * (VAL)0.5;                                                    \
+        const V vbound = (V){} + bound, vhalf = (V){} + half, vtop = (V){} + top;           \
+        int64_t k = 0, near = 0, r = 0;                                                     \
+        if (half + half == top) {                                                           \
+            for (; k + 2 * (W) <= len; k += 2 * (W)) {                                      \
+                V v, w;                                                                     \
+                VLOAD2(p, k, &v, &w);                                                       \
+                const V a = ABS(v), b = ABS(w);                                             \
+                r += COUNT_LE(a, vbound) + COUNT_LE(b, vbound);                             \
+                near += COUNT_GE(a, vhalf) + COUNT_GE(b, vhalf);                            \
+            }                                                                               \
+        } else { /* top / 2 is not exact (a subnormal top): compare 2|v| */                 \
+            for (; k + 2 * (W) <= len; k += 2 * (W)) {                                      \
+                V v, w;                                                                     \
+                VLOAD2(p, k, &v, &w);                                                       \
+                const V a = ABS(v), b = ABS(w);                                             \
+                r += COUNT_LE(a, vbound) + COUNT_LE(b, vbound);                             \
+                near += COUNT_GE(a + a, vtop) + COUNT_GE(b + b, vtop);                      \
+            }                                                                               \
+        }                                                                                   \
+        for (; k < len; k++) {                                                              \
+            const VAL v = LOAD(p, k), a = v < 0 ? -v : v;                                   \
+            r += a <= bound;                                                                \
+            near += a + a >= top;                                                           \
+        }                                                                                   \
+        *below += r;                                                                        \
+        return near;                                                                        \
+    }
+
+/* bf16 compares as its 16-bit words: for a magnitude (sign bit cleared) that is not NaN the
+ * order of the words is the order of the values, so |v| <= bound and 2|v| >= top become
+ * integer compares on twice as many lanes as floats, with no conversion. The thresholds are
+ * the largest word whose value is <= bound (bound's float bits, truncated: bound >= 0) and
+ * the smallest word w with 2 * value(w) >= top. A NaN word lies above both; NaN makes the
+ * whole tensor's risk undefined anyway. */
+static inline uint16_t bf16_near_word(float top) {
+    if (!(top <= 0x1.fep127f)) return 0x7f80; /* Inf/NaN: no tensor risk is computed */
+    uint32_t bits;
+    const float half = top * 0.5f;
+    memcpy(&bits, &half, sizeof bits);
+    uint16_t w = (uint16_t)(bits >> 16);
+    while (w > 0 && load_bf16(&(uint16_t){(uint16_t)(w - 1)}, 0) * 2.0f >= top) w--;
+    while (!(load_bf16(&w, 0) * 2.0f >= top)) w++;
+    return w;
+}
+
+static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, float bound,
+                                 int64_t *below) {
+    uint32_t bound_bits;
+    memcpy(&bound_bits, &bound, sizeof bound_bits);
+    const uint16_t lo = (uint16_t)(bound_bits >> 16), hi = bf16_near_word(top);
+    const vw vlo = (vw){} + lo, vhi = (vw){} + hi;
+    int64_t k = 0, near = 0, r = 0;
+    for (; k + VBYTES / 2 <= len; k += VBYTES / 2) {
+        vw u;
+        memcpy(&u, p + k, sizeof u);
+        u &= 0x7fff;
+        r += count_le_vw(u, vlo);
+        near += count_ge_vw(u, vhi);
+    }
+    for (; k < len; k++) {
+        const uint16_t u = p[k] & 0x7fff;
+        r += u <= lo;
+        near += u >= hi;
+    }
+    *below += r;
+    return near;
+}
 
 /*
  * Moments plus symmetric per-group quantization of `rows` whole rows of `cols` elements,
@@ -470,16 +721,18 @@ static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
  * the bulk is the block without its largest magnitude if that more than doubles the range
  * (quantization.py's "tiny" blocks). `first_block` numbers the first group.
  *
- * Pass 1 (from memory) finds the group's largest magnitude `top`. Pass 2 (from L1) counts the
- * non-zero elements that round to 0 on the grid top sets, and decides whether top is dropped
- * from the bulk: top > 2 * second exactly when top is the only element with 2|x| >= top, and
- * then the second largest magnitude is the largest of the others.
+ * Pass 1 (from memory) takes the moments, with the minimum and maximum kept per group: the
+ * group's largest magnitude `top` is the larger of its maximum and minus its minimum. The
+ * grids of a batch of groups are then computed together (grids_f, grids_d). Pass 2 (from L1)
+ * counts the non-zero elements that round to 0 on the grid, and decides whether top is
+ * dropped from the bulk: top > 2 * second exactly when top is the only element with
+ * 2|x| >= top, and then the second largest magnitude is the largest of the others.
  *
  * With `gj`, also the blocks of the tensor quantized behind a scalar (see DEFINE_JOINT); only
  * when `cols == group`. `joint_prev` points at the element before x, or is NULL when x starts
  * the tensor (that block holds the scalar; the caller measures it).
  */
-#define DEFINE_GROUPS(NAME, SRC, VAL, V, VM, W, MIN, MAX, ABS, HMAX, HSUM, ZBOUND, VLOAD2, LOAD) \
+#define DEFINE_GROUPS(NAME, SRC, VAL, V, VM, W, MIN, MAX, R16, FOLD, TOPS, GRIDS, VLOAD2, LOAD) \
     void dw_groups_##NAME(const SRC *x, int64_t rows, int64_t cols, int64_t group,          \
                           double qmax, int64_t first_block, double shift, dw_moments *m,    \
                           dw_groups *g, const SRC *joint_prev, dw_groups *gj) {             \
@@ -488,16 +741,24 @@ static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
         const int64_t blocks = rows * per_row;                                              \
         ACC_STATE(VAL, V, VM)                                                               \
         ACC_RESET(VAL, V, VM);                                                              \
-        VM rounded = (VM){};                                                                \
         const int64_t zeros_before = m->zeros;                                              \
         int64_t pending = 0; /* elements accumulated since the last flush */                \
         const SRC *flush_start = x;                                                         \
-        const SRC *ptr[GROUP_BATCH];                                                        \
-        int64_t lens[GROUP_BATCH];                                                          \
-        VAL tops[GROUP_BATCH], invs[GROUP_BATCH], bounds[GROUP_BATCH];                      \
+        /* two batches in flight: pass 2 of the previous batch runs while the grids of the  \
+         * current one, a long chain of divisions, are computed */                          \
+        const SRC *ptrs[2][GROUP_BATCH];                                                    \
+        int64_t lengths[2][GROUP_BATCH];                                                    \
+        VAL topss[2][GROUP_BATCH], invss[2][GROUP_BATCH], boundss[2][GROUP_BATCH];          \
+        VAL part[4][GROUP_BATCH] = {{0}}, tails[GROUP_BATCH] = {0};                         \
         int64_t row = 0, col = 0; /* where the next block starts */                         \
-        for (int64_t first = 0; first < blocks; first += GROUP_BATCH) {                     \
-            const int nb = blocks - first < GROUP_BATCH ? (int)(blocks - first) : GROUP_BATCH; \
+        int64_t before = 0;       /* the previous batch's first block */                    \
+        int nb_before = 0, cur = 0;                                                         \
+        for (int64_t first = 0;; first += GROUP_BATCH) {                                    \
+            const int nb = first >= blocks ? 0                                              \
+                           : blocks - first < GROUP_BATCH ? (int)(blocks - first)           \
+                                                          : GROUP_BATCH;                    \
+            const SRC **ptr = ptrs[cur];                                                    \
+            int64_t *lens = lengths[cur];                                                   \
             /* pass 1, from memory: moments, and each group's largest magnitude */          \
             for (int j = 0; j < nb; j++) {                                                  \
                 const int64_t len = cols - col < group ? cols - col : group;                \
@@ -509,16 +770,15 @@ static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
                     col = 0;                                                                \
                     row++;                                                                  \
                 }                                                                           \
-                V t1 = (V){}, t2 = (V){};                                                   \
+                V glo = (V){} + (VAL)INFINITY, ghi = (V){} - (VAL)INFINITY;                 \
+                V glo2 = glo, ghi2 = ghi;                                                   \
                 VAL u1 = 0;                                                                 \
                 int64_t i = 0;                                                              \
                 for (; i + 2 * (W) <= len; i += 2 * (W)) {                                  \
                     V v, w;                                                                 \
                     VLOAD2(p, i, &v, &w);                                                   \
-                    ACC_ADD(MIN, MAX, VM, v, sh, lo, hi, s, q, z);                          \
-                    ACC_ADD(MIN, MAX, VM, w, sh, lo2, hi2, s2, q2, z2);                     \
-                    t1 = MAX(ABS(v), t1);                                                   \
-                    t2 = MAX(ABS(w), t2);                                                   \
+                    ACC_ADD(MIN, MAX, VM, v, sh, glo, ghi, s, q, z);                        \
+                    ACC_ADD(MIN, MAX, VM, w, sh, glo2, ghi2, s2, q2, z2);                   \
                 }                                                                           \
                 for (; i < len; i++) {                                                      \
                     const VAL v = LOAD(p, i);                                               \
@@ -526,8 +786,16 @@ static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
                     const VAL a = v < 0 ? -v : v;                                           \
                     u1 = a > u1 ? a : u1;                                                   \
                 }                                                                           \
-                const VAL top = HMAX(MAX(t1, t2));                                          \
-                tops[j] = u1 > top ? u1 : top;                                              \
+                glo = MIN(glo, glo2);                                                       \
+                ghi = MAX(ghi, ghi2);                                                       \
+                lo = MIN(glo, lo);                                                          \
+                hi = MAX(ghi, hi);                                                          \
+                /* NaN never enters the minimum or maximum on x86; elsewhere it makes top   \
+                 * NaN, and the tensor's risk is undefined with NaN anyway */               \
+                const R16 folded = FOLD(MAX(ghi, -glo));                                    \
+                for (int l = 0; l < (int)(sizeof folded / sizeof(VAL)); l++)                \
+                    part[l][j] = folded[l];                                                 \
+                tails[j] = u1;                                                              \
                 pending += len;                                                             \
                 if (pending >= FLUSH) {                                                     \
                     int ok;                                                                 \
@@ -538,51 +806,20 @@ static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
                     pending = 0;                                                            \
                 }                                                                           \
             }                                                                               \
-            /* the batch's grids together: independent divisions overlap */                \
-            for (int j = 0; j < nb; j++) {                                                  \
-                double scale = (double)tops[j] / qmax;                                      \
-                scale = scale > 0 ? scale : 1.0;                                            \
-                invs[j] = (VAL)(1.0 / scale);                                               \
+            if (nb) {                                                                       \
+                TOPS(part, tails, topss[cur]);                                              \
+                GRIDS(topss[cur], qmax, invss[cur], boundss[cur], nb);                      \
             }                                                                               \
-            /* |v| <= bound exactly when v * inv rounds to 0; zeros are among them and are  \
-             * taken out of the total at the end */                                         \
-            for (int j = 0; j < nb; j++) bounds[j] = ZBOUND(invs[j]);                       \
-            /* pass 2, from L1: elements rounding to 0, and whether the top is alone */     \
-            for (int j = 0; j < nb; j++) {                                                  \
-                const SRC *p = ptr[j];                                                      \
-                const int64_t len = lens[j];                                                \
-                const VAL top = tops[j], bound = bounds[j], half = top * (VAL)0.5;          \
-                VM near_top = (VM){};                                                       \
-                int64_t k = 0;                                                              \
-                if (half + half == top) {                                                   \
-                    for (; k + 2 * (W) <= len; k += 2 * (W)) {                              \
-                        V v, w;                                                             \
-                        VLOAD2(p, k, &v, &w);                                               \
-                        const V a = ABS(v), b = ABS(w);                                     \
-                        rounded -= (VM)(a <= bound);                                        \
-                        rounded -= (VM)(b <= bound);                                        \
-                        near_top -= (VM)(a >= half);                                        \
-                        near_top -= (VM)(b >= half);                                        \
-                    }                                                                       \
-                } else { /* top / 2 is not exact (a subnormal top): compare 2|v| */         \
-                    for (; k + 2 * (W) <= len; k += 2 * (W)) {                              \
-                        V v, w;                                                             \
-                        VLOAD2(p, k, &v, &w);                                               \
-                        const V a = ABS(v), b = ABS(w);                                     \
-                        rounded -= (VM)(a <= bound);                                        \
-                        rounded -= (VM)(b <= bound);                                        \
-                        near_top -= (VM)(a + a >= top);                                        \
-                        near_top -= (VM)(b + b >= top);                                        \
-                    }                                                                       \
-                }                                                                           \
-                int64_t near = 0, below = 0;                                                \
-                for (; k < len; k++) {                                                      \
-                    const VAL v = LOAD(p, k), a = v < 0 ? -v : v;                           \
-                    below += a <= bound;                                                    \
-                    near += a + a >= top;                                                   \
-                }                                                                           \
-                g->zero_rounded += below;                                                   \
-                near += HSUM(near_top);                                                     \
+            /* pass 2 of the previous batch, from L1 or L2: elements rounding to 0, and     \
+             * whether the top is alone */                                                  \
+            const int old = cur ^ 1;                                                        \
+            const VAL *tops = topss[old], *invs = invss[old], *bounds = boundss[old];       \
+            int64_t below = 0;                                                              \
+            for (int j = 0; j < nb_before; j++) {                                           \
+                const SRC *p = ptrs[old][j];                                                \
+                const int64_t len = lengths[old][j];                                        \
+                const VAL top = tops[j];                                                    \
+                const int64_t near = pass2_##NAME(p, len, top, bounds[j], &below);   \
                 double ratio = 1.0;                                                         \
                 if (len > 1 && near == 1) { /* top is alone: the bulk ends at the second */ \
                     VAL second = 0;                                                         \
@@ -592,7 +829,7 @@ static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
                     }                                                                       \
                     ratio = second > 0 ? fmax((double)top / (double)second, 1.0) : 1.0;    \
                 }                                                                           \
-                const int64_t id = first_block + first + j;                                 \
+                const int64_t id = first_block + before + j;                                \
                 if (ratio > g->worst_ratio || g->worst_block < 0) {                         \
                     g->worst_ratio = ratio;                                                 \
                     g->worst_block = id;                                                    \
@@ -601,13 +838,18 @@ static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
                     joint_##NAME(p, len, p > x ? LOAD(p, -1) : LOAD(joint_prev, 0), top, near, \
                                  invs[j], qmax, id, gj);                                    \
             }                                                                               \
+            /* every zero was counted as rounding to 0 (they are taken out at the end) */   \
+            g->zero_rounded += below;                                                       \
+            if (!nb) break;                                                                 \
+            before = first;                                                                 \
+            nb_before = nb;                                                                 \
+            cur = old;                                                                      \
         }                                                                                   \
         if (pending) {                                                                      \
             int ok;                                                                         \
             ACC_FLUSH(W, pending, ok);                                                      \
             if (!ok) slow_##NAME(flush_start, pending, (double)sh, m);                      \
         }                                                                                   \
-        g->zero_rounded += HSUM(rounded);                                                   \
         /* every zero was counted as rounding to 0: it is not a non-zero element */         \
         g->zero_rounded -= m->zeros - zeros_before;                                         \
     }
@@ -620,14 +862,14 @@ DEFINE_JOINT(f32, float, float, load_f32)
 DEFINE_JOINT(bf16, uint16_t, float, load_bf16)
 DEFINE_JOINT(f16, uint16_t, float, load_f16)
 DEFINE_JOINT(f64, double, double, load_f64)
-DEFINE_GROUPS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, abs_vf, hmax_vf, hsum_vfm, zero_bound_f,
-              vload2_f32, load_f32)
-DEFINE_GROUPS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, abs_vf, hmax_vf, hsum_vfm, zero_bound_f,
-              vload2_bf16, load_bf16)
-DEFINE_GROUPS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, abs_vf, hmax_vf, hsum_vfm, zero_bound_f,
-              vload2_f16, load_f16)
-DEFINE_GROUPS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, abs_vd, hmax_vd, hsum_vdm, zero_bound_d,
-              vload2_f64, load_f64)
+DEFINE_PASS2(f32, float, float, vf, VF_LANES, abs_vf, count_le_vf, count_ge_vf, vload2_f32, load_f32)
+DEFINE_PASS2(f16, uint16_t, float, vf, VF_LANES, abs_vf, count_le_vf, count_ge_vf, vload2_f16, load_f16)
+DEFINE_PASS2(f64, double, double, vd, VD_LANES, abs_vd, count_le_vd, count_ge_vd, vload2_f64, load_f64)
+DEFINE_GROUPS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f, vload2_f32, load_f32)
+DEFINE_GROUPS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f, vload2_bf16,
+              load_bf16)
+DEFINE_GROUPS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f, vload2_f16, load_f16)
+DEFINE_GROUPS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, vd2, fold_max_vd, tops_d, grids_d, vload2_f64, load_f64)
 
 /* Lets the loader check that it talks to the code it compiled. */
 int dw_abi_version(void) { return 3; }

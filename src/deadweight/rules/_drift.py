@@ -4,13 +4,13 @@ Shared by DW302 (the drift itself) and DW303 (a reset amplifies it). The decisio
 uses only the exact per-step statistics of small parameters (`SmallStats`):
 
 * the gradient is at the noise floor: its mean per-element size is at most
-  `NOISE_FLOOR_RATIO` of its homologous siblings' (the same name up to a layer
+  `drift-noise-floor-ratio` of its homologous siblings' (the same name up to a layer
   index), or, without siblings, of the other small parameters of its optimizer;
 * it still moves like a learner: updates of at least `MIN_UPDATE_LR` of the learning
   rate per element and step (Adam-family steps do not shrink with the gradient), in a
   consistent direction (`MIN_SAME_SIGN` of the steps radially the same way, or a net
   drift of at least `MIN_NET_SHARE` of the distance travelled), and it has drifted by
-  at least `MIN_RELATIVE_DRIFT` of its size.
+  at least `drift-min-relative` of its size, after `drift-min-steps` steps.
 """
 
 from __future__ import annotations
@@ -21,16 +21,13 @@ from dataclasses import dataclass
 
 from deadweight.homologous import homologous_groups, layer_key
 from deadweight.probes.watch_stats import ParamTrack, WatchStats
+from deadweight.thresholds import current
 
-# The incident's scalar had a gradient of ~1e-10 and the toy port's 7.8e-7 next to
-# siblings of 4e-3 to 2e-2 (ratios 1e-4 and below); legitimately weak parameters sit
-# within a factor of 10-100 of their siblings. 1e-3 keeps a margin on both sides.
-NOISE_FLOOR_RATIO = 1e-3
+# `drift-noise-floor-ratio`, `drift-min-steps` and `drift-min-relative` are
+# configurable (deadweight.thresholds, where their defaults are explained).
 MIN_UPDATE_LR = 0.05  # SGD turns a noise-level gradient into noise-level steps: ~0 lr
 MIN_SAME_SIGN = 0.6  # 82% in the incident, 66% over 20k steps in the toy port
 MIN_NET_SHARE = 0.1
-MIN_RELATIVE_DRIFT = 0.01
-MIN_STEPS = 100  # fewer steps say nothing about a direction
 
 
 @dataclass(frozen=True)
@@ -70,6 +67,7 @@ def _per_element(track: ParamTrack) -> tuple[float, float] | None:
 
 
 def noise_driven(stats: WatchStats) -> list[Drift]:
+    limits = current()
     tracks = {n: t for n, t in stats.params.items() if t.small_stats is not None}
     per = {n: _per_element(t) for n, t in tracks.items()}
     siblings: dict[str, list[str]] = {}
@@ -81,7 +79,7 @@ def noise_driven(stats: WatchStats) -> list[Drift]:
     for name, track in tracks.items():
         s = track.small_stats
         measured = per[name]
-        if s is None or measured is None or track.pinned or s.steps < MIN_STEPS:
+        if s is None or measured is None or track.pinned or s.steps < limits.drift_min_steps:
             continue
         grad_rms, update_rms = measured
         lr = track.mean_lr
@@ -93,7 +91,7 @@ def noise_driven(stats: WatchStats) -> list[Drift]:
         if same_sign < MIN_SAME_SIGN and net_share < MIN_NET_SHARE:
             continue
         start = next((v for v in track.series.param_norm if v is not None), None)
-        if start is not None and start > 0 and s.drift < MIN_RELATIVE_DRIFT * start:
+        if start is not None and start > 0 and s.drift < limits.drift_min_relative * start:
             continue
         reference, refs = _reference(name, track, tracks, siblings)
         ref_values = [per[r] for r in refs if per[r] is not None]
@@ -101,7 +99,7 @@ def noise_driven(stats: WatchStats) -> list[Drift]:
             continue  # nothing to compare with: no verdict
         ref_grad = statistics.median(v[0] for v in ref_values if v is not None)
         ref_update = statistics.median(v[1] for v in ref_values if v is not None)
-        if ref_grad <= 0 or grad_rms > NOISE_FLOOR_RATIO * ref_grad:
+        if ref_grad <= 0 or grad_rms > limits.drift_noise_floor_ratio * ref_grad:
             continue
         out.append(
             Drift(

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from deadweight import param_roles
 from deadweight.probes.grad_flow import GradFlowStats, ParamInfo
-from deadweight.probes.invariance import NOISE_FLOOR_ULPS, ProbeResult
+from deadweight.probes.invariance import ProbeResult
 
-__all__ = ["NOISE_FLOOR_ULPS", "Ineffective", "at_risk", "no_effective_gradient"]
+__all__ = ["Ineffective", "at_risk", "no_effective_gradient"]
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,11 @@ from deadweight.homologous import homologous_groups, robust_outlier
 from deadweight.probes.checkpoint_scan import DiffStats, InspectStats, TrendStats
 from deadweight.registry import get_rule, rule
 from deadweight.rules._wording import module_of, name_list
+from deadweight.thresholds import current
 
-# A value that moved the same way at every save, over at least this many saves, by at
-# least this share of its starting size, is drifting (the incident's scalar went from
-# 1.0 to 56.25; learning scalars wander both ways between saves).
-TREND_MIN_SAVES = 4
-TREND_MIN_RELATIVE = 0.1
+# A value that moved the same way at every save, over at least `trend-min-saves` saves,
+# by at least `trend-min-relative` of its starting size, is drifting (defaults and their
+# reasons in deadweight.thresholds).
 
 
 @rule(
@@ -50,6 +49,10 @@ def never_learned(stats: DiffStats) -> Iterator[Finding]:
     Run `deadweight check` on the model to find where gradients stop (DW101/DW102),
     or add the parameters to the optimizer. If the tensors are frozen on purpose,
     `--ignore DW401` or filter them out.
+
+    ## Evidence
+    - `a`, `b`: the two checkpoints.
+    - `unchanged`: how many tensors are bitwise identical, of `compared`.
     """
     unchanged = [d.name for d in stats.tensors.values() if d.unchanged]
     if not unchanged:
@@ -101,6 +104,12 @@ def checkpoint_layer_outlier(stats: InspectStats) -> Iterator[Finding]:
     Find out why that layer differs: `deadweight check` on the model tells whether a
     normalization cancels it (DW104), `deadweight.watch` whether it drifts without a
     gradient (DW302). Pin it with `deadweight.pin` if it has no use.
+
+    ## Evidence
+    - `checkpoint`: the file.
+    - `template`: the name shared by the layers (`layers.{}.attn.q_proj.weight`).
+    - `statistic`: what is compared (RMS, absmax, value).
+    - `value`, `siblings_median`, `siblings_range`, `robust_z`: the outlier against the rest.
     """
     for scan in stats.scans:
         for template, members in homologous_groups(scan.tensors).items():
@@ -166,6 +175,16 @@ def quantization_risk(stats: InspectStats) -> Iterator[Finding]:
     cancelled scalar). For deployment, keep such tensors out of quantization, use a
     finer granularity (per channel or per group), or fold scalars into the weights
     they multiply before quantizing.
+
+    ## Evidence
+    - `checkpoint`, `scheme`: the file and the quantization scheme judged.
+    - `effective_bits`: the bits left to the bulk of the worst block.
+    - `zero_fraction`: the share of elements that round to zero.
+    - `range_ratio`: the block's range over its bulk (99.9th percentile).
+    - `worst_block`, `outliers`: where the range is set, and by which elements.
+    - `measured_error`: the relative error of quantizing and dequantizing the tensor.
+    - `verdict`: `broken`, `degraded` or `ok`.
+    - `quantized_with`: for a layer scalar, the weight it is quantized together with.
     """
     for scan in stats.scans:
         for name, risk in scan.quant.items():
@@ -225,6 +244,10 @@ def checkpoint_non_finite(stats: InspectStats) -> Iterator[Finding]:
     ## Fix
     Resume from an earlier checkpoint, and find the first step where values became
     non-finite with `deadweight.watch` (DW305).
+
+    ## Evidence
+    - `checkpoint`: the file.
+    - `nonfinite`: per tensor, the count of NaN and Inf values.
     """
     for scan in stats.scans:
         bad = {n: t.nonfinite for n, t in scan.tensors.items() if t.nonfinite}
@@ -267,16 +290,21 @@ def monotone_drift(stats: TrendStats) -> Iterator[Finding]:
     ## Fix
     Check whether the loss can see the parameter (`deadweight check`, DW104) and
     whether it drifts on noise (`deadweight.watch`, DW302); pin it or remove it.
+
+    ## Evidence
+    - `values`, `steps`: the value at each save and the save's step.
+    - `first`, `last`, `rate_per_step`: the change over the series.
     """
+    limits = current()
     for name, values in stats.values.items():
         points = [(k, v) for k, v in enumerate(values) if v is not None and math.isfinite(v)]
-        if len(points) < TREND_MIN_SAVES:
+        if len(points) < limits.trend_min_saves:
             continue
         deltas = [b[1] - a[1] for a, b in itertools.pairwise(points)]
         if not (all(d > 0 for d in deltas) or all(d < 0 for d in deltas)):
             continue
         first, last = points[0][1], points[-1][1]
-        if abs(last - first) < TREND_MIN_RELATIVE * max(abs(first), 1e-12):
+        if abs(last - first) < limits.trend_min_relative * max(abs(first), 1e-12):
             continue
         steps = [stats.steps[k] for k, _ in points]
         rate = None

@@ -71,6 +71,11 @@ def rank_dependent_gradient(presence: RankPresence) -> Iterator[Finding]:
     Make every rank run the same modules in the forward. If a branch really must be
     rank-dependent, take it out of the trained model (run it under no_grad on a
     detached copy) so that DDP's parameter set is the same everywhere.
+
+    ## Evidence
+    - `ranks_with_gradient`, `ranks_without_gradient`: which ranks saw a gradient.
+    - `world_size`: the number of ranks.
+    - `wrapper`: the model's wrapper class (DistributedDataParallel, ...).
     """
     if presence.has_grad is None:
         return
@@ -126,6 +131,10 @@ def optimizer_differs_across_ranks(presence: RankPresence) -> Iterator[Finding]:
     ## Fix
     Build the optimizer from the same parameter list on every rank; with FSDP2 and
     DDP that is `model.parameters()` of the wrapped model, filtered identically.
+
+    ## Evidence
+    - `ranks_in_optimizer`, `ranks_not_in_optimizer`: which ranks' optimizers hold the parameters.
+    - `world_size`: the number of ranks.
     """
     if presence.in_optimizer is None:
         return
@@ -195,6 +204,12 @@ def replica_divergence(stats: WatchStats) -> Iterator[Finding]:
     ## Fix
     Apply every change to the parameters on all ranks alike, and load checkpoints
     on every rank (or broadcast from rank 0 after loading).
+
+    ## Evidence
+    - `first_step`, `last_step`: the watched steps the replicas differed at.
+    - `groups`: the ranks grouped by the value they hold.
+    - `norm_min`, `norm_max`, `norm_spread`: the parameter's norm across the ranks.
+    - `world_size`: the number of ranks.
     """
     for name, seen in stats.replicas.items():
         groups = seen["groups"]

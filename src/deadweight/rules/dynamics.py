@@ -12,18 +12,11 @@ from deadweight.probes.watch_stats import ParamTrack, WatchStats
 from deadweight.registry import get_rule, rule
 from deadweight.rules._drift import noise_driven
 from deadweight.rules._wording import module_of, name_list
+from deadweight.thresholds import current
 
-# After this many optimizer steps a trainable parameter that is still bitwise what it
-# was is not learning: Adam moves every parameter with a gradient on step 1, and SGD
-# with any non-zero gradient changes some bit almost surely.
-NEVER_MOVED_AFTER = 50
-# A few skipped steps are normal (a GradScaler calibrating its scale, lr = 0 on the
-# first warm-up step); more than this share of the steps is a problem.
-SKIPPED_WARN_SHARE = 0.05
-SKIPPED_WARN_MIN = 5
-# A parameter with a gradient on fewer than half of the steps learns at half speed or
-# less (a rarely routed expert): worth a warning; more often than that, information.
-INTERMITTENT_WARN_BELOW = 0.5
+# The step counts and shares these rules judge by (`never-moved-steps`,
+# `skipped-steps-share`, `skipped-steps-min`, `intermittent-warn-below`) are
+# configurable; deadweight.thresholds holds their defaults and where they come from.
 
 
 @rule(
@@ -57,10 +50,15 @@ def never_moved(stats: WatchStats) -> Iterator[Finding]:
     Run `deadweight check` on the model to find where the graph is cut (DW101/DW102),
     or put the parameter into the optimizer, or give its group a non-zero learning
     rate. If it is meant to stay fixed, freeze it or `deadweight.pin` it.
+
+    ## Evidence
+    - `steps`: optimizer steps watched.
+    - `cause`: why it did not move (no gradient, zero learning rate, skipped steps, ...).
+    - `per_param`: per parameter `steps_with_grad`, `last_grad_rms` and `mean_lr`.
     """
     causes: dict[str, list[ParamTrack]] = {}
     for track in stats.params.values():
-        if track.pinned or track.moved is not False or track.steps < NEVER_MOVED_AFTER:
+        if track.pinned or track.moved is not False or track.steps < current().never_moved_steps:
             continue
         if track.group is None:
             cause = "they are in no watched optimizer"
@@ -133,6 +131,17 @@ def drift_without_gradient(stats: WatchStats) -> Iterator[Finding]:
     `deadweight.pin(model, name)` (the gradient is zeroed after every backward, so
     Adam's update is exactly 0, and it stays out of weight decay). Forcing weight
     decay on it only moves the drift's equilibrium, to drift / (lr * wd).
+
+    ## Evidence
+    - `steps`: steps with exact statistics.
+    - `drift_per_step`, `drift_per_step_lr` (in learning rates), `total_drift`, `start_norm`,
+      `first_value`, `last_value`: how far and how steadily it moved.
+    - `mean_update_lr`: its mean per-element update, in learning rates.
+    - `same_sign_fraction`: the share of steps that moved it the same way.
+    - `grad_rms`, `reference_grad_rms`, `grad_ratio`, `reference`: its gradient against that of
+      its siblings (or the other small parameters of its optimizer).
+    - `mean_lr`: the mean learning rate.
+    - `update_vs_signal`: how much more it moves per unit of gradient than its reference set.
     """
     for d in noise_driven(stats):
         moved = (
@@ -199,6 +208,13 @@ def optimizer_state_reset(stats: WatchStats) -> Iterator[Finding]:
     Load the optimizer state with the weights when resuming; when that is not
     possible (new parameters), remap the old state onto the new optimizer. Pin or
     remove the noise-driven parameters (DW302) so a reset has nothing to amplify.
+
+    ## Evidence
+    - `step`, `optimizer`, `cause`: when and how the state was reset.
+    - `parameters`: how many parameters lost their moments.
+    - `predicted_amplification`: √(1/(1−β2)), the predicted growth of noise-driven steps.
+    - `measured_first_update_ratio`, `measured_first_N_updates_ratio`, `measured_on`,
+      `per_param`: the update sizes after the reset relative to those before it.
     """
     drifting = {d.name for d in noise_driven(stats)}
     for reset in stats.resets:
@@ -301,6 +317,12 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
     For GradScaler skips, find the overflow (deadweight's DW305, a lower learning
     rate, bf16 instead of fp16). For lr 0, check the schedule. For lost updates,
     keep a higher-precision copy of the parameter (fp32 master weights).
+
+    ## Evidence
+    - `optimizer`: the optimizer whose steps were skipped.
+    - `skipped`: how many steps (per cause), and `steps` watched.
+    - `share`: the skipped share of the steps.
+    - `cause`, `first_after_step`: why (a GradScaler, a zero learning rate, ...) and when first.
     """
     for opt in stats.optimizers.values():
         skips = opt.scaler_skips
@@ -350,7 +372,8 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
 
 
 def _skip_severity(count: int, share: float) -> Severity:
-    if count >= SKIPPED_WARN_MIN and share >= SKIPPED_WARN_SHARE:
+    limits = current()
+    if count >= limits.skipped_steps_min and share >= limits.skipped_steps_share:
         return Severity.WARNING
     return Severity.INFO
 
@@ -384,6 +407,11 @@ def non_finite(stats: WatchStats) -> Iterator[Finding]:
     Look at the first parameter and step reported: the layer that produced it is
     where the overflow starts. Use numerically stable ops (log_softmax), a lower
     learning rate, gradient clipping, or a GradScaler under fp16.
+
+    ## Evidence
+    - `first_step`, `first_param`, `first_kind`: where the first NaN or Inf appeared (in a
+      gradient or a value).
+    - `per_param`: per parameter, the first step of each kind.
     """
     events = [
         (step, what, t.name) for t in stats.params.values() for what, step in t.nonfinite.items()
@@ -437,6 +465,9 @@ def intermittent_gradient(stats: WatchStats) -> Iterator[Finding]:
     For mixture-of-experts, check the router's load balance (an auxiliary balancing
     loss, capacity factors). For conditional code, make sure every branch is taken
     often enough, or give the rarely used parameters their own learning rate.
+
+    ## Evidence
+    - `fraction_with_grad`: per parameter, the share of the steps with a gradient.
     """
     by_severity: dict[Severity, list[ParamTrack]] = {}
     for track in stats.params.values():
@@ -444,7 +475,9 @@ def intermittent_gradient(stats: WatchStats) -> Iterator[Finding]:
             continue
         if 0 < track.grad_present < track.steps:
             fraction = track.grad_present / track.steps
-            sev = Severity.WARNING if fraction < INTERMITTENT_WARN_BELOW else Severity.INFO
+            sev = (
+                Severity.WARNING if fraction < current().intermittent_warn_below else Severity.INFO
+            )
             by_severity.setdefault(sev, []).append(track)
     for severity, tracks in by_severity.items():
         fractions = {t.name: t.grad_present / t.steps for t in tracks}
@@ -492,6 +525,13 @@ def layer_outlier(stats: WatchStats) -> Iterator[Finding]:
     ## Fix
     Find out why that layer differs: DW302 says whether it drifts without a
     gradient (then `deadweight.pin` it), DW301 whether it never moved.
+
+    ## Evidence
+    - `template`: the name shared by the layers (`blocks.{}.layer_scalar`).
+    - `statistic`: what is compared (value, norm, update size, ...).
+    - `value`, `median`, `robust_z`: the outlier's value, its siblings' median, its robust z.
+    - `since_step`: the first watched step it stood out at.
+    - `values`: every layer's value.
     """
     groups = homologous_groups(stats.params)
     for template, members in groups.items():

@@ -8,7 +8,8 @@ from deadweight.findings import Finding, Location, Severity
 from deadweight.probes.grad_flow import GradFlowStats
 from deadweight.probes.invariance import SCALE_FACTOR
 from deadweight.registry import get_rule, rule
-from deadweight.rules._effective import NOISE_FLOOR_ULPS, Ineffective, no_effective_gradient
+from deadweight.rules._effective import Ineffective, no_effective_gradient
+from deadweight.thresholds import current
 
 _MAX_EVIDENCE = 20
 
@@ -93,13 +94,19 @@ def zero_gradient(stats: GradFlowStats) -> Iterator[Finding]:
     ## Fix
     Find what cancels the parameter (a normalization after it, a zero factor) and
     remove the parameter, or pin it with `deadweight.pin(model, name)`.
+
+    ## Evidence
+    - `loss`: the loss value the gradients are compared with.
+    - `params`: per parameter `grad_norm`, `grad_dot_param` (⟨g, θ⟩), `grad_sum` (Σg),
+      `param_norm`, and `pinned` / `moved_since_pin` for a pinned one.
+    - `omitted`: parameters left out of `params` (it holds at most 20).
     """
     hard, soft = _split(stats, ("noise", "zero"))
     loss = stats.loss.value
     if hard:
         yield get_rule("DW103").finding(
             f"{len(hard)} parameter(s) get only numerical noise as gradient ({_names(hard)}): "
-            f"below the floor of {NOISE_FLOOR_ULPS} ulps of the loss.",
+            f"below the floor of {current().noise_floor_ulps:g} ulps of the loss.",
             params=[i.param.name for i in hard],
             location=_location(hard),
             evidence=_evidence(hard, loss),
@@ -213,6 +220,13 @@ def scale_invariant(stats: GradFlowStats) -> Iterator[Finding]:
     ## Fix
     Remove the parameter, or keep it fixed with `deadweight.pin(model, name)`
     (a zeroed gradient, no weight decay, still trainable for DDP).
+
+    ## Evidence
+    - `loss`: the loss value the gradients are compared with.
+    - `params`: per parameter `grad_norm`, `grad_dot_param` (⟨g, θ⟩), `grad_sum`, `param_norm`,
+      the `probe` that confirmed it (`x10`: scaled tenfold), the `relative_loss_change` it
+      caused, the gradient screen's `screen_score`, and `pinned` / `moved_since_pin`.
+    - `omitted`: parameters left out of `params` (it holds at most 20).
     """
     yield from _invariance_findings(stats, "DW104", "scale")
 
@@ -251,5 +265,12 @@ def shift_invariant(stats: GradFlowStats) -> Iterator[Finding]:
     ## Fix
     Drop the parameter (`bias=False` before BatchNorm), or pin it with
     `deadweight.pin(model, name)`.
+
+    ## Evidence
+    - `loss`: the loss value the gradients are compared with.
+    - `params`: per parameter `grad_norm`, `grad_dot_param`, `grad_sum` (Σg), `param_norm`,
+      the `probe` that confirmed it (`+shift`), the `relative_loss_change` it caused, the
+      gradient screen's `screen_score`, and `pinned` / `moved_since_pin`.
+    - `omitted`: parameters left out of `params` (it holds at most 20).
     """
     yield from _invariance_findings(stats, "DW105", "shift")

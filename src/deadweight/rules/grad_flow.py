@@ -90,6 +90,12 @@ def no_gradient(stats: GradFlowStats) -> Iterator[Finding]:
     ## Fix
     Remove the cut that DW102 points at. If the parameters are meant to stay fixed,
     freeze them explicitly with `requires_grad_(False)` so the intent is visible.
+
+    ## Evidence
+    - `count`: how many trainable parameters get no gradient.
+    - `numel`: their elements in total.
+    - `in_optimizer`: whether the optimizer holds them (None without an optimizer).
+    - `explained_by`: the DW102 graph cuts behind them: `code`, `kind` of cut, `location`.
     """
     explanation = explain(stats)
     by_cause: dict[tuple[int, ...], list[str]] = defaultdict(list)
@@ -177,6 +183,16 @@ def graph_cut(stats: GradFlowStats) -> Iterator[Finding]:
     ## Fix
     Use a differentiable path for training at the reported line (for a fused
     kernel: its reference implementation, or register a backward for it).
+
+    ## Evidence
+    - `kind`: what cut the graph (`no-grad`, `inference-mode`, `detach`, `data`, `item`,
+      `rebuilt-tensor`, `non-differentiable`, `function`, `never-ran`, `output-unused`, ...).
+    - `ops`, `lines`, `modules`: the ops, source lines and modules where it happened.
+    - `result_reaches_loss`: whether the cut value still reaches the loss (without a gradient).
+    - `called_from`: the caller of the function the cut happened in.
+    - `detail`: more on the cut (the op's own words, the function's name).
+    - `backward_error`: the error backward raised (a custom op without autograd).
+    - `loss_value`, `grad_enabled_when_computed`: for a loss without `grad_fn`.
     """
     explanation = explain(stats)
     for group in explanation.groups:
@@ -244,6 +260,9 @@ def non_finite_loss(stats: GradFlowStats) -> Iterator[Finding]:
     Find the first non-finite value in the forward (torch.autograd.detect_anomaly
     on this batch), then clamp, use a numerically stable op (log_softmax,
     cross_entropy) or fix the input data.
+
+    ## Evidence
+    - `loss_value`: the loss as text (`nan`, `inf`).
     """
     if stats.loss.value is not None and not stats.loss.finite:
         yield get_rule("DW106").finding(
@@ -282,6 +301,9 @@ def model_in_eval_mode(stats: GradFlowStats) -> Iterator[Finding]:
     ## Fix
     Call `model.train()` before training (and before `deadweight.check`, so the
     check sees the training graph).
+
+    ## Evidence
+    - `training`: the model's mode when checked (False).
     """
     if not stats.model_training:
         yield get_rule("DW107").finding(

@@ -76,6 +76,12 @@ def forward_gradient_cut(facts: PythonSourceFacts) -> Iterator[Finding]:
     than `.detach()`, `.data` or `.item()`. If the attribute is frozen on purpose,
     say so in `__init__` with `self.<name>.requires_grad_(False)` (which also keeps it
     out of the optimizer), or add `# deadweight: ignore[DW501]` on the line.
+
+    ## Evidence
+    - `class`: the module class.
+    - `attributes`: the parameters or submodules that get no gradient.
+    - `cut`: the kind of cut (a no-grad block, `.detach()`, `.data`, `.item()`, ...).
+    - `construct`: the code construct that cut it.
     """
     rule_ = get_rule("DW501")
     for module in facts.modules:
@@ -139,6 +145,10 @@ def shape_based_decay(facts: PythonSourceFacts) -> Iterator[Finding]:
     `torch.optim.AdamW(deadweight.param_groups(model, weight_decay=0.1), lr=...)`
     exempts biases, normalization weights and parameters tagged
     `_no_weight_decay`, and decays everything else, scalars included.
+
+    ## Evidence
+    - `expression`: the rank test (`p.ndim < 2`, `len(p.shape) == 1`, ...).
+    - `decay_words`: the words nearby that tie it to weight decay.
     """
     rule_ = get_rule("DW502")
     for choice in facts.rank_decay:
@@ -209,6 +219,11 @@ def autograd_gap(facts: PythonSourceFacts) -> Iterator[Finding]:
     inputs that never do), register a formula with `op.register_autograd(...)` or
     an `Autograd` implementation, and mark only truly integer outputs
     (indices, counts) non-differentiable.
+
+    ## Evidence
+    - `kind`: the kind of gap (a backward returning None, outputs marked
+      non-differentiable, an op without an autograd kernel).
+    - `subject`: the autograd.Function or op.
     """
     rule_ = get_rule("DW503")
     for gap in facts.autograd_gaps:
@@ -252,6 +267,10 @@ def reentrant_checkpoint(facts: PythonSourceFacts) -> Iterator[Finding]:
     ## Fix
     Pass `use_reentrant=False`:
     `torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)`.
+
+    ## Evidence
+    - `callee`: the checkpoint function called.
+    - `use_reentrant`: the value passed (None when not given).
     """
     rule_ = get_rule("DW504")
     for call in facts.checkpoints:

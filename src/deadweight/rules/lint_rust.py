@@ -52,6 +52,10 @@ def fused_op_no_backward(facts: RustSourceFacts) -> Iterator[Finding]:
     run inference can be marked in `[tool.deadweight] inference-only`
     (`"src/generate.rs"`, `"src/model.rs::generate"`), or a line silenced with
     `// deadweight: ignore[DW511]`.
+
+    ## Evidence
+    - `op`: the candle kernel called.
+    - `replacement`: the differentiable replacement.
     """
     rule_ = get_rule("DW511")
     for call in facts.calls:

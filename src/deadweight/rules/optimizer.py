@@ -43,6 +43,10 @@ def not_in_optimizer(stats: GradFlowStats) -> Iterator[Finding]:
     ## Fix
     Build the optimizer after the model is final, or add the missing parameters
     with `optimizer.add_param_group(...)`.
+
+    ## Evidence
+    - `optimizer`: the optimizer's class.
+    - `groups`: how many param groups it has.
     """
     facts = stats.optimizer_facts
     if facts and facts.not_in_optimizer:
@@ -84,6 +88,9 @@ def optimizer_stale_param(stats: GradFlowStats) -> Iterator[Finding]:
 
     ## Fix
     Rebuild the optimizer from the final model, with frozen parameters filtered out.
+
+    ## Evidence
+    - `tensors`: the optimizer's tensors that are not parameters of the model (at most 20).
     """
     facts = stats.optimizer_facts
     if not facts:
@@ -163,6 +170,10 @@ def decay_by_shape(stats: GradFlowStats) -> Iterator[Finding]:
     Decide decay by meaning, not shape: `deadweight.param_groups(model, weight_decay)`.
     For a parameter that cannot learn, `deadweight.pin` is the fix (decay alone would
     pull it towards an equilibrium, not keep it at its value; see DW204).
+
+    ## Evidence
+    - `rule`: the shape rule that left the parameter undecayed (`len(p.shape) == 1`, ...).
+    - `group`: the index of the param group it is in.
     """
     facts = stats.optimizer_facts
     if not facts:
@@ -269,6 +280,16 @@ def drift_risk(stats: GradFlowStats) -> Iterator[Finding]:
     `deadweight.pin(model, name)`: keeps it exactly at its value with a zeroed
     gradient, stays trainable (DDP buckets unchanged), no weight decay. Adding weight
     decay only moves it to `theta_eq`.
+
+    ## Evidence
+    - `optimizer`, `rule` (`adam`, `rmsprop`, `adagrad`, ...), `lr`: the update rule applied.
+    - `noise_rms`: the RMS of the gradient noise the optimizer sees.
+    - `betas`, `eps`: the optimizer's settings, where it has them.
+    - `expected_step`, `max_step`: the predicted step size per update, typical and at most.
+    - `reset_amplification`: how much larger steps get after an optimizer-state reset.
+    - `weight_decay_for_equilibrium`, `equilibrium_if_decayed_max`,
+      `equilibrium_if_decayed_expected`: where weight decay would hold the parameter.
+    - `prediction`: why there is no prediction, for an update rule deadweight does not know.
     """
     facts = stats.optimizer_facts
     if not facts:
@@ -324,6 +345,10 @@ def lr_zero(stats: GradFlowStats) -> Iterator[Finding]:
     ## Fix
     Set the learning rate, or freeze the parameters with `requires_grad_(False)` if
     they are meant to stay fixed.
+
+    ## Evidence
+    - `group`: the index of the param group.
+    - `lr`: its learning rate (0).
     """
     facts = stats.optimizer_facts
     if not facts:
@@ -366,6 +391,10 @@ def decay_on_no_decay_param(stats: GradFlowStats) -> Iterator[Finding]:
 
     ## Fix
     Build the groups with `deadweight.param_groups(model, weight_decay)`.
+
+    ## Evidence
+    None beyond the parameters named in `params`; the message says whether they are
+    biases / normalization weights or tagged `_no_weight_decay`.
     """
     facts = stats.optimizer_facts
     if not facts:
