@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from deadweight.config import ConfigLike, applies_settings
-from deadweight.errors import CollectiveError, InputError
+from deadweight.errors import CollectiveError
 from deadweight.findings import Finding
 from deadweight.probes import distributed
 from deadweight.probes.grad_flow import GradFlowStats, measure_grad_flow
@@ -51,22 +51,31 @@ def check(
     with a timeout. Every rank returns the same report: findings seen on every rank
     read as in a single process, the others carry the ranks they were seen on,
     and DW108 / DW207 report parameters the ranks disagree on.
+
+    An FSDP2 model (`fully_shard`, DTensor parameters) runs its forward and backward
+    together on all ranks as in training; the gradient statistics are summed over
+    the ranks' local shards by one collective of a few numbers per parameter, so
+    the report is that of the whole parameters and the whole batch. The functional
+    probes (which confirm a parameter the loss ignores) are skipped there.
     """
     selection = Selection.of(select, ignore)
     ranks = distributed.ranks_for(model)
-    if ranks is not None and distributed.uses_fsdp2(model):
-        raise InputError(
-            "check() on an FSDP2 (fully_shard) model is not supported: its forward and "
-            "backward all-gather and reduce-scatter, so a rank's extra probing forwards "
-            "would wait for the others; check the unsharded model before fully_shard()"
-        )
+    # FSDP2: statistics are summed over the local shards inside the measurement.
+    shards = (
+        distributed.Shards(ranks)
+        if isinstance(model, nn.Module) and distributed.holds_dtensors(list(model.parameters()))
+        else None
+    )
     with distributed.local_backward(model):
-        stats = measure_grad_flow(distributed.unwrap(model), loss_fn, optimizer)
+        stats = measure_grad_flow(distributed.unwrap(model), loss_fn, optimizer, shards=shards)
     findings = [f for r in rules_consuming(GradFlowStats) for f in r.judge(stats)]
     trainable = [p for p in stats.params if p.trainable]
     extra: dict[str, Any] = {}
     if ranks is not None:
         findings, extra["distributed"] = _combine_ranks(ranks, model, stats, findings)
+        if shards is not None:
+            extra["distributed"]["sharded"] = True
+            extra["distributed"]["note"] = stats.probe_note
     return Report.of(
         "check",
         selection.filter(findings),
@@ -101,7 +110,7 @@ def _combine_ranks(
             trainable=tuple(p.trainable for p in stats.params),
             has_grad=flags[:, 0],
             in_optimizer=flags[:, 1] if stats.optimizer is not None else None,
-            wrapper=type(model).__name__,
+            wrapper="FSDP2" if distributed.uses_fsdp2(model) else type(model).__name__,
         )
         per_rank = distributed.all_gather_objects(ranks, local, "check: findings")
     except CollectiveError as exc:

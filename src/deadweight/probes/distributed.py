@@ -108,13 +108,6 @@ def sharded_names(params: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     return [n for n, p in params if hasattr(p, "to_local") and hasattr(p, "placements")]
 
 
-FSDP2_WATCH_UNSUPPORTED = (
-    "watch does not support sharded (FSDP2 / DTensor) parameters yet: its statistics "
-    "would have to be combined across the shards, and running them on DTensors makes "
-    "the ranks wait on each other; watch the model under DDP or in one process"
-)
-
-
 def ranks_for(model: nn.Module | None = None) -> Ranks | None:
     """This job's `Ranks` when it runs on more than one process, else None.
 
@@ -179,6 +172,72 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of a (possibly DTensor) parameter that lives on this rank."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+@dataclass(frozen=True)
+class Shards:
+    """The model's parameters are DTensors (FSDP2): each rank holds a slice of each.
+
+    Statistics are then sums over the local slices, added up across the ranks by
+    one collective over small per-parameter vectors; no parameter is gathered
+    whole. `ranks` is None in a single process (a one-rank mesh), where the local
+    slice is the whole tensor.
+    """
+
+    ranks: Ranks | None
+
+    def sum(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        return t if self.ranks is None else all_reduce(self.ranks, t, "sum", what)
+
+
+def holds_dtensors(params: Sequence[torch.Tensor]) -> bool:
+    return any(hasattr(p, "to_local") and hasattr(p, "placements") for p in params)
+
+
+def share_of_sum(t: torch.Tensor, world_size: int) -> float:
+    """The weight of this rank's local sums in a sum over all ranks.
+
+    A DTensor sharded over k of the mesh's ranks is held once by every group of k
+    ranks, so a plain sum over the world counts each element world / k times; a
+    plain tensor is a full copy on every rank (counted world times).
+    """
+    placements = getattr(t, "placements", None)
+    mesh = getattr(t, "device_mesh", None)
+    if placements is None or mesh is None:
+        return 1.0 / world_size
+    sharded_over = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            sharded_over *= mesh.size(dim)
+    return sharded_over / world_size
+
+
+def fsdp2_unsharded(model: nn.Module) -> dict[int, torch.Tensor]:
+    """id(sharded parameter) -> the unsharded parameter FSDP2 swaps in during forward.
+
+    The autograd graph of a forward holds the unsharded parameters as its leaves,
+    so this is how a leaf found in the graph is named. It reads FSDP2's internals
+    (no public accessor exists); on a torch where they differ it returns what it
+    can, and the leaves it misses go unnamed in the explanations.
+    """
+    out: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        if not _is_fsdp2(module):
+            continue
+        try:
+            state = module._get_fsdp_state()  # type: ignore[operator]
+            groups = list(getattr(state, "_fsdp_param_groups", None) or [])
+            single = getattr(state, "_fsdp_param_group", None)
+            if single is not None:
+                groups.append(single)
+            for group in groups:
+                for fsdp_param in group.fsdp_params:
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        out[id(fsdp_param.sharded_param)] = unsharded
+        except Exception:  # another torch's internals: explanations lose names only
+            continue
+    return out
 
 
 def _run(what: str, ranks: Ranks, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -268,15 +327,19 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "RankPresence",
     "Ranks",
+    "Shards",
     "all_gather_objects",
     "all_reduce",
     "check_same_names",
+    "fsdp2_unsharded",
+    "holds_dtensors",
     "is_wrapped_for_distribution",
     "local_backward",
     "local_tensor",
     "per_rank_flags",
     "ranks_for",
     "sharded_names",
+    "share_of_sum",
     "timeout_s",
     "unwrap",
     "uses_fsdp2",

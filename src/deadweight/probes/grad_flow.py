@@ -20,7 +20,7 @@ from torch import nn
 
 from deadweight import param_roles
 from deadweight.errors import InputError, LossFnError
-from deadweight.probes import autograd_graph, invariance
+from deadweight.probes import autograd_graph, distributed, invariance
 from deadweight.probes.invariance import GradStats, ProbeResult
 from deadweight.probes.module_trace import ModuleTracer
 from deadweight.probes.op_trace import OpTracer, tensors_in
@@ -141,9 +141,19 @@ LossFn = Callable[[], Any]
 
 
 def measure_grad_flow(
-    model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None = None
+    model: nn.Module,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    shards: distributed.Shards | None = None,
 ) -> GradFlowStats:
-    """Run `loss_fn` and one backward; leave the model, its grads and the RNG as they were."""
+    """Run `loss_fn` and one backward; leave the model, its grads and the RNG as they were.
+
+    With `shards` (DTensor parameters, FSDP2) every rank must call it: gradient
+    presence, the gradient statistics and the loss are summed over the ranks' local
+    shards in one collective, so every rank measures the whole parameters; the
+    functional probes, which would re-run forwards that all-gather, are skipped.
+    """
     named = _validated_params(model, loss_fn, optimizer)
     names_by_id = {id(p): n for n, p in named}
     trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -167,6 +177,12 @@ def measure_grad_flow(
                     "(its traceback is above; deadweight removed all of its hooks)"
                 ) from exc
             loss = _validated_loss(raw)
+            # Under FSDP2 the graph's leaves are the unsharded parameters swapped in
+            # for the forward: they go by the sharded parameters' names.
+            unsharded = distributed.fsdp2_unsharded(model) if shards is not None else {}
+            for sharded_id, leaf in unsharded.items():
+                if sharded_id in names_by_id:
+                    names_by_id.setdefault(id(leaf), names_by_id[sharded_id])
 
             has_graph = loss.requires_grad
             loss_walk = (
@@ -208,10 +224,14 @@ def measure_grad_flow(
                     len(unrestorable),
                     _few(unrestorable),
                 )
+            reached_ids = set(reached)
+            for sharded_id, leaf in unsharded.items():
+                if id(leaf) in reached_ids:
+                    reached_ids.add(sharded_id)
             if backward_error is None:
                 has_grad = {id(p): p.grad is not None for _, p in trainable}
             else:  # backward stopped half-way: what would have arrived is what is reachable
-                has_grad = {id(p): id(p) in reached for _, p in trainable}
+                has_grad = {id(p): id(p) in reached_ids for _, p in trainable}
             grads = {n: p.grad for n, p in trainable}
 
             loss_site = None
@@ -255,23 +275,33 @@ def measure_grad_flow(
 
             value = float(loss.detach().float().item())
             loss_eps = float(torch.finfo(loss.dtype).eps) if loss.is_floating_point() else 0.0
-            with_grad = [(n, p) for n, p in trainable if p.grad is not None]
-            stats_by_name = dict(
-                zip(
-                    [n for n, _ in with_grad],
-                    invariance.grad_stats([p for _, p in with_grad]),
-                    strict=True,
+            if shards is not None:
+                value, stats_by_name = _sum_over_shards(
+                    shards, trainable, has_grad, reached_ids, value
                 )
-            )
-            probes, probe_note = invariance.probe(
-                with_grad,
-                stats_by_name,
-                value,
-                loss_eps,
-                loss_fn,
-                guard,
-                runnable=backward_error is None and math.isfinite(value),
-            )
+                probes: dict[tuple[str, str], ProbeResult] = {}
+                probe_note: str | None = (
+                    "functional probes skipped: the parameters are sharded (FSDP2), and "
+                    "each probe would re-run a forward that all-gathers them"
+                )
+            else:
+                with_grad = [(n, p) for n, p in trainable if p.grad is not None]
+                stats_by_name = dict(
+                    zip(
+                        [n for n, _ in with_grad],
+                        invariance.grad_stats([p for _, p in with_grad]),
+                        strict=True,
+                    )
+                )
+                probes, probe_note = invariance.probe(
+                    with_grad,
+                    stats_by_name,
+                    value,
+                    loss_eps,
+                    loss_fn,
+                    guard,
+                    runnable=backward_error is None and math.isfinite(value),
+                )
 
     roles = param_roles.parameter_roles(model)
     return GradFlowStats(
@@ -297,7 +327,7 @@ def measure_grad_flow(
                 dtype=str(p.dtype).removeprefix("torch."),
                 trainable=p.requires_grad,
                 has_grad=has_grad.get(id(p), False),
-                reaches_loss=id(p) in reached,
+                reaches_loss=id(p) in reached_ids,
                 in_optimizer=(id(p) in in_opt) if in_opt is not None else None,
                 numel=p.numel(),
                 role=roles[n][0],
@@ -314,6 +344,55 @@ def measure_grad_flow(
         backward_error=backward_error,
         grads=grads,
     )
+
+
+# Per parameter: got a gradient, reaches the loss, then the five sums of
+# `invariance.grad_stats_from_sums`.
+_SHARD_COLUMNS = 7
+
+
+@torch.no_grad()
+def _sum_over_shards(
+    shards: distributed.Shards,
+    trainable: list[tuple[str, nn.Parameter]],
+    has_grad: dict[int, bool],
+    reached: set[int],
+    loss: float,
+) -> tuple[float, dict[str, GradStats]]:
+    """Whole-parameter statistics from every rank's local shards, in one collective.
+
+    Every rank sends a row for every trainable parameter, also those without a
+    gradient or with an empty local shard (a shape-[1] scalar on 3 ranks), so all
+    ranks enter the same collective with the same shape. `has_grad` and `reached`
+    are updated in place to "on any rank" (FSDP2 reduce-scatters gradients, so a
+    gradient on one rank is a gradient everywhere); the loss becomes the mean over
+    the ranks, the loss of the whole batch.
+    """
+    world = shards.ranks.world_size if shards.ranks is not None else 1
+    rows = torch.zeros(len(trainable) + 1, _SHARD_COLUMNS, dtype=torch.float64)
+    for k, (_, p) in enumerate(trainable):
+        weight = distributed.share_of_sum(p, world)
+        rows[k, 0] = float(has_grad.get(id(p), False))
+        rows[k, 1] = float(id(p) in reached)
+        theta = distributed.local_tensor(p.detach()).double()
+        g = p.grad
+        if g is not None:
+            gl = distributed.local_tensor(g.detach()).double()
+            sums = [(gl * gl).sum(), (gl * theta).sum(), gl.sum(), (theta * theta).sum()]
+            sums.append((gl != 0).sum().double())
+            rows[k, 2:7] = torch.stack(sums).cpu() * weight
+        else:
+            rows[k, 5] = (theta * theta).sum().cpu() * weight
+    rows[-1, 0] = loss / world
+    total = shards.sum(rows, "check: gradient statistics").tolist()
+    stats: dict[str, GradStats] = {}
+    for k, (name, p) in enumerate(trainable):
+        has_grad[id(p)] = total[k][0] > 0
+        if total[k][1] > 0:
+            reached.add(id(p))
+        if has_grad[id(p)]:
+            stats[name] = invariance.grad_stats_from_sums([total[k][2:7]], [p.numel()])[0]
+    return total[-1][0], stats
 
 
 def _backward(

@@ -121,6 +121,22 @@ def grad_stats(params: Sequence[torch.Tensor]) -> list[GradStats]:
     ]
 
 
+def grad_stats_from_sums(sums: Sequence[Sequence[float]], numels: Sequence[int]) -> list[GradStats]:
+    """`GradStats` from per-parameter sums [sum g^2, sum g*theta, sum g, sum theta^2,
+    nonzero gradient entries], which add up over the shards of a sharded parameter."""
+    return [
+        GradStats(
+            grad_norm=math.sqrt(max(v[0], 0.0)),
+            grad_dot_param=v[1],
+            grad_sum=v[2],
+            param_norm=math.sqrt(max(v[3], 0.0)),
+            param_rms=math.sqrt(max(v[3], 0.0)) / math.sqrt(max(n, 1)),
+            exact_zero=v[4] == 0.0,
+        )
+        for v, n in zip(sums, numels, strict=True)
+    ]
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """The measured effect of scaling or shifting a parameter (or a group holding it)."""
