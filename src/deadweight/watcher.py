@@ -29,7 +29,6 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from deadweight.config import ConfigLike, Settings, settings_for
-from deadweight.errors import InputError
 from deadweight.probes import distributed, owners
 from deadweight.probes.event_log import LogWriter, log_path_for_rank, start_event
 from deadweight.probes.replicas import ReplicaCheck
@@ -165,8 +164,8 @@ class Watch:
             [(f"param {j} of group {g}", p) for g, group in enumerate(optimizer.param_groups)
              for j, p in enumerate(group["params"])]
         )  # fmt: skip
-        if sharded:
-            raise InputError(f"{distributed.FSDP2_WATCH_UNSUPPORTED} ({len(sharded)} sharded)")
+        # FSDP2 (DTensor parameters): each watched step combines the ranks' slices.
+        shards = distributed.Shards(self._job_ranks()) if sharded else None
         index = self._next_index
         self._next_index += 1
         positions: dict[int, tuple[int, int]] = {}
@@ -184,7 +183,7 @@ class Watch:
             return name
 
         monitor = StepMonitor(
-            index, optimizer, name_of, self._emit, self.config, passengers, start_step
+            index, optimizer, name_of, self._emit, self.config, passengers, start_step, shards
         )
         self._monitors[id(optimizer)] = monitor
         ranks = self._job_ranks()
@@ -746,15 +745,6 @@ def watch(
     optimizers = _as_list(optimizer, torch.optim.Optimizer)
     if not optimizers:
         raise TypeError("watch() needs at least one optimizer: its step hooks do the watching")
-    sharded = distributed.sharded_names(
-        [(n, p) for m in models for n, p in m.named_parameters()]
-        + [(f"optimizer param {j}", p) for o in optimizers for g in o.param_groups
-           for j, p in enumerate(g["params"])]
-    )  # fmt: skip
-    if sharded:
-        raise InputError(
-            f"{distributed.FSDP2_WATCH_UNSUPPORTED} (sharded: {', '.join(sharded[:3])})"
-        )
     monitor = MonitorConfig(
         every=every, full=full, **({"small": small} if small is not None else {})
     )

@@ -46,11 +46,39 @@ def test_dcp_checkpoint_written_by_fsdp2_is_read_back_whole_by_inspect(tmp_path)
     assert f"shard file(s) missing from the DCP directory: {shards[1]}" in broken.stderr
 
 
-def test_watch_and_check_refuse_fsdp2_models_clearly_without_hanging(tmp_path):
-    results = run_ranks(w.fsdp2_refused, 2, tmp_path, str(tmp_path), deadline_s=60)
+def test_watch_check_and_zero_code_watching_run_on_fsdp2_and_agree_across_ranks(tmp_path):
+    results = run_ranks(w.fsdp2_entry_points, 2, tmp_path, str(tmp_path), deadline_s=120)
     assert set(results) == {0, 1}
+    for key in ("watch", "check", "watch_all"):
+        assert results[0][key]["findings"] == results[1][key]["findings"], key
     for res in results.values():
-        assert "watch does not support sharded (FSDP2 / DTensor) parameters" in res["watch"]
-        assert "check() on an FSDP2 (fully_shard) model is not supported" in res["check"]
-        assert len(res["watch_all"]) == 1
-        assert "left unwatched" in res["watch_all"][0]
+        assert res["watch"]["subject"]["steps"] == 5
+        assert res["watch"]["subject"]["detector_errors"] == []
+        assert res["watch_all"]["subject"]["steps"] == 3
+        assert res["watch_all"]["subject"]["detector_errors"] == []
+        assert res["check"]["subject"]["distributed"]["sharded"] is True
+        # a healthy model: every parameter gets a gradient
+        assert not [f for f in res["check"]["findings"] if f["code"].startswith("DW10")]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deadweight", *args, "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_diff_and_trend_read_a_pair_of_fsdp2_dcp_checkpoints(tmp_path):
+    run_ranks(w.fsdp2_pair, 2, tmp_path, str(tmp_path), deadline_s=120)
+    a, b = str(tmp_path / "step0"), str(tmp_path / "step1")
+    diff = _cli("diff", a, b)
+    assert diff.returncode in (0, 1), diff.stderr
+    subject = json.loads(diff.stdout)["subject"]
+    text = json.dumps(subject)
+    # whole tensors (16 rows), not one rank's shard of 8
+    assert "model.layers.0.weight" in text and "model.out.bias" in text
+    trend = _cli("trend", a, b)
+    assert trend.returncode in (0, 1), trend.stderr
+    assert "model.out.bias" in trend.stdout  # the one single-element tensor, in both

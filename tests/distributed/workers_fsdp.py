@@ -59,30 +59,45 @@ def fsdp2_checkpoint(rank: int, world: int, out: str) -> dict[str, Any]:
     }
 
 
-def fsdp2_refused(rank: int, world: int, out: str) -> dict[str, Any]:
-    """watch and check on an FSDP2 model: a clear error on every rank, and no hang."""
+def fsdp2_entry_points(rank: int, world: int, out: str) -> dict[str, Any]:
+    """watch, check and zero-code watching on a healthy FSDP2 model: they run, and agree."""
     import deadweight
-    from deadweight.errors import DeadweightError
     from deadweight.watcher import watch_all
 
     model = _sharded(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
-    errors = {}
-    try:
-        deadweight.watch(model, opt)
-    except DeadweightError as exc:
-        errors["watch"] = str(exc)
-    try:
-        deadweight.check(model, lambda: F.mse_loss(model(x), y))
-    except DeadweightError as exc:
-        errors["check"] = str(exc)
-    # zero-code mode meets the optimizer only when it steps: left unwatched, training goes on
-    with watch_all() as wt:
+
+    def step() -> None:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    with deadweight.watch(model, opt, every=2) as w:
+        for _ in range(5):
+            step()
+    checked = deadweight.check(model, lambda: F.mse_loss(model(x), y), opt)
+    with watch_all(every=2) as wt:
         for _ in range(3):
+            step()
+    return {
+        "watch": w.report().to_dict(),
+        "check": checked.to_dict(),
+        "watch_all": wt.report().to_dict(),
+    }
+
+
+def fsdp2_pair(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Two DCP checkpoints of one FSDP2 run, a few AdamW steps apart."""
+    model = _sharded(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    for k in range(2):
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()
             opt.step()
-    errors["watch_all"] = [e["message"] for e in wt.report().subject["detector_errors"]]
-    return errors
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(Path(out, f"step{k}")))
+    return {}

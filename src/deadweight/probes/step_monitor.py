@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from deadweight.probes import distributed
+
 Emit = Callable[[dict[str, Any]], None]
 # (found_inf, grad_scale) that a GradScaler sets on a fused optimizer for its step().
 AmpStep = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -130,30 +132,52 @@ def _predicted_reset_amplification(group: dict[str, Any]) -> float | None:
     return None
 
 
+def _loc(t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a DTensor (FSDP2) parameter or gradient; a plain tensor as is.
+
+    Every statistic is taken on the slices: an op on the DTensor itself would make
+    torch redistribute it, a collective the monitor does not control.
+    """
+    return distributed.local_tensor(t)
+
+
 class _Bucket:
-    """The device-side state for the monitored parameters that live on one device."""
+    """The device-side state for the monitored parameters that live on one device.
+
+    With `shards` (FSDP2) every number is first measured on this rank's slices and
+    the watched step's record is combined across the ranks (`_ShardRecord`).
+    """
 
     def __init__(
-        self, device: torch.device, positions: list[int], params: list[torch.Tensor], small: int
+        self,
+        device: torch.device,
+        positions: list[int],
+        params: list[torch.Tensor],
+        small: int,
+        shards: distributed.Shards | None = None,
     ) -> None:
         self.device = device
         self.positions = positions  # indices into the monitor's parameter list
         self.local = {pos: k for k, pos in enumerate(positions)}  # and back
         self.params = params
+        self.shards = shards
+        self.shard_bytes = 0  # handed to the collectives that combine the slices
         n = len(params)
         f64: dict[str, Any] = {"device": device, "dtype": torch.float64}
         self.gsq = torch.zeros(n, **f64)  # sum of squared grad norms since the last record
         self.bad_grad = torch.full((n,), -1, device=device, dtype=torch.int64)
         self.index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         with torch.no_grad():
-            self.pnorm0 = torch.stack(torch._foreach_norm([p.detach() for p in params])).double()
-            self.fp0 = torch.stack([_fingerprint(p) for p in params])
+            self.pnorm0 = torch.stack(
+                torch._foreach_norm([_loc(p.detach()) for p in params])
+            ).double()
+            self.fp0 = torch.stack([_fingerprint(_loc(p)) for p in params])
         self.moved = [False] * n  # sticky: once seen changed, never again "unchanged"
 
         self.small = [i for i, p in enumerate(params) if p.numel() <= small]
         self.large = [i for i, p in enumerate(params) if p.numel() > small]
         ns = len(self.small)
-        sizes = [params[i].numel() for i in self.small]
+        sizes = [_loc(params[i]).numel() for i in self.small]
         self.seg = (
             torch.repeat_interleave(
                 torch.arange(ns, device=device),
@@ -179,7 +203,9 @@ class _Bucket:
         if not self.small:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
         with torch.no_grad():
-            return torch.cat([self.params[i].detach().reshape(-1) for i in self.small]).double()
+            return torch.cat(
+                [_loc(self.params[i].detach()).reshape(-1) for i in self.small]
+            ).double()
 
     def _segsum(self, values: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(len(self.small), dtype=torch.float64, device=self.device)
@@ -210,8 +236,8 @@ class _Bucket:
     def grads_before(self, step: int, present: list[int], amp: AmpStep | None = None) -> None:
         if not present:
             return
-        grads = [self.params[i].grad for i in present]
-        norms = torch.stack(torch._foreach_norm(grads)).double()  # type: ignore[arg-type]
+        grads = [_loc(self.params[i].grad) for i in present]  # type: ignore[arg-type]
+        norms = torch.stack(torch._foreach_norm(grads)).double()
         weights = self.amp_weights(amp)
         if weights is not None:  # the scaler's own inf/NaN are not the model's
             norms = torch.where(weights[0], norms * weights[1], 0.0)
@@ -230,9 +256,9 @@ class _Bucket:
         for i in self.small:
             g = self.params[i].grad
             grads.append(
-                g.reshape(-1)
+                _loc(g).reshape(-1)
                 if g is not None
-                else torch.zeros(self.params[i].numel(), device=self.device)
+                else torch.zeros(_loc(self.params[i]).numel(), device=self.device)
             )
         gcat = torch.cat(grads).double()
         weights = self.amp_weights(amp)
@@ -264,13 +290,13 @@ class _Bucket:
 
     @torch.no_grad()
     def copy_before(self, chosen: list[int]) -> None:
-        self.copies = {i: self.params[i].detach().clone() for i in chosen}
+        self.copies = {i: _loc(self.params[i].detach()).clone() for i in chosen}
 
     @torch.no_grad()
     def measure_after(self) -> dict[str, Any]:
         """Everything for one record, in one host transfer (two when a large parameter's
         norm is bitwise unchanged and its fingerprint must decide)."""
-        params = [p.detach() for p in self.params]
+        params = [_loc(p.detach()) for p in self.params]
         pnorm = torch.stack(torch._foreach_norm(params)).double()
         copied = sorted(self.copies)
         if copied:
@@ -292,7 +318,7 @@ class _Bucket:
                 [
                     params[i].reshape(-1).double()
                     for i in self.small
-                    if params[i].numel() <= VALUES_MAX
+                    if self.params[i].numel() <= VALUES_MAX  # the whole parameter's size
                 ]
                 or [torch.zeros(0, dtype=torch.float64, device=self.device)]
             )
@@ -309,7 +335,10 @@ class _Bucket:
                 values,
             ]
         )
-        flat = packed.tolist()  # the one CPU-GPU sync of this step
+        if self.shards is not None:  # every rank's slices, combined: one collective
+            flat = _ShardRecord(self, copied).combine(packed)
+        else:
+            flat = packed.tolist()  # the one CPU-GPU sync of this step
         self.gsq.zero_()
         n, ns = len(self.params), len(self.small)
         out: dict[str, Any] = {}
@@ -347,8 +376,14 @@ class _Bucket:
             else:
                 candidates.append(i)
         if candidates:
-            fps = torch.stack([_fingerprint(self.params[i]) for i in candidates])
-            changed = (fps != self.fp0[self._index(tuple(candidates))]).tolist()
+            fps = torch.stack([_fingerprint(_loc(self.params[i])) for i in candidates])
+            changed_here = fps != self.fp0[self._index(tuple(candidates))]
+            if self.shards is not None and self.shards.ranks is not None:
+                # The candidates follow from combined numbers: the same on every rank.
+                changed_here = distributed.all_reduce(
+                    self.shards.ranks, changed_here.to(torch.int64), "max", "watch: fingerprints"
+                )
+            changed = changed_here.bool().tolist()
             for i, c in zip(candidates, changed, strict=True):
                 self.moved[i] = bool(c)
         out["moved"] = list(self.moved)
@@ -358,6 +393,88 @@ class _Bucket:
     def ring_mean(self, steps: Sequence[int]) -> torch.Tensor:
         rows = torch.tensor([s % RING for s in steps], dtype=torch.long, device=self.device)
         return self.ring.index_select(0, rows).mean(0)
+
+
+class _ShardRecord:
+    """One watched step's numbers of a bucket of DTensor (FSDP2) parameters, combined
+    over the ranks in one collective of a few float64 per parameter tensor and rank.
+
+    Each rank measured its own slices. Squared norms and sums add up (weighted by
+    `distributed.share_of_sum`, so a replicated copy counts once). A per-step norm
+    accumulated over steps (the path of a small parameter, its gradient sizes)
+    cannot be split exactly: the ranks' sums are combined as a root sum of squares,
+    exact for a parameter one rank holds whole (a layer scalar) and for slices whose
+    sizes keep their proportions, and otherwise between the true value and
+    sqrt(ranks) times below it. Step counts (radial directions, lost updates) are
+    averaged over the ranks that hold a non-empty slice. Values of the tiny
+    parameters are put back together from the slices, in rank order (dim-0 shards).
+    """
+
+    def __init__(self, bucket: _Bucket, copied: list[int]) -> None:
+        self.bucket = bucket
+        self.copied = copied  # the large parameters copied this step, as `unorm` lists them
+
+    def combine(self, packed: torch.Tensor) -> list[float]:
+        b = self.bucket
+        shards = b.shards
+        assert shards is not None
+        ranks = shards.ranks
+        world = ranks.world_size if ranks is not None else 1
+        n, ns, c = len(b.params), len(b.small), len(self.copied)
+        w = torch.tensor(
+            [distributed.share_of_sum(p, world) for p in b.params], dtype=torch.float64
+        )
+        w_small = w[b.small] if ns else torch.zeros(0, dtype=torch.float64)
+        tiny = [i for i in b.small if b.params[i].numel() <= VALUES_MAX]
+        local = packed.detach().to("cpu", torch.float64)
+        cut = [n, n, n, n, c, *([ns] * 8)]
+        parts = list(local[: sum(cut)].split(cut))
+        gsq, bad, pnorm, same, unorm = parts[:5]
+        path, rpos, rneg, sens, gsum, zero_upd, drift, last_un = parts[5:]
+        values = local[sum(cut) :]
+        w_copied = w[self.copied] if c else torch.zeros(0, dtype=torch.float64)
+        holders = torch.tensor([float(_loc(b.params[i]).numel() > 0) for i in b.small])
+        counts = [_loc(b.params[i]).numel() for i in tiny]
+        slots = torch.zeros(sum(b.params[i].numel() for i in tiny), dtype=torch.float64)
+        offset = cursor = 0
+        for i, k in zip(tiny, counts, strict=True):
+            slots[offset : offset + k] = values[cursor : cursor + k]
+            offset += b.params[i].numel()
+            cursor += k
+        row = torch.cat(
+            [
+                gsq * w, torch.where(bad >= 0, bad, math.inf), pnorm**2 * w, same, unorm**2 * w_copied,
+                path**2 * w_small, rpos, rneg, sens * w_small, gsum**2 * w_small, zero_upd,
+                drift**2 * w_small, last_un**2 * w_small, holders,
+                torch.tensor(counts, dtype=torch.float64), slots,
+            ]
+        )  # fmt: skip
+        table = torch.zeros(world, row.numel(), dtype=torch.float64)
+        table[ranks.rank if ranks is not None else 0] = row
+        if ranks is not None:
+            table = distributed.all_reduce(ranks, table, "sum", "watch: sharded statistics")
+        b.shard_bytes += table.numel() * table.element_size()
+        cols = list(table[:, : sum(cut) + ns + len(tiny)].split([*cut, ns, len(tiny)], dim=1))
+        t_gsq, t_bad, t_pn, t_same, t_un = cols[:5]
+        t_path, t_rpos, t_rneg, t_sens, t_gsum, t_zero, t_drift, t_last, t_hold, t_counts = cols[5:]
+        held = t_hold.sum(0).clamp(min=1)
+        first_bad = t_bad.min(0).values
+        out = [
+            t_gsq.sum(0), torch.where(torch.isinf(first_bad), -1.0, first_bad),
+            t_pn.sum(0).sqrt(), t_same.min(0).values, t_un.sum(0).sqrt(),
+            t_path.sum(0).sqrt(), t_rpos.sum(0) / held, t_rneg.sum(0) / held, t_sens.sum(0),
+            t_gsum.sum(0).sqrt(), t_zero.sum(0) / held, t_drift.sum(0).sqrt(), t_last.sum(0).sqrt(),
+        ]  # fmt: skip
+        slot_table = table[:, sum(cut) + ns + len(tiny) :]
+        whole: list[float] = []
+        offset = 0
+        for j, i in enumerate(tiny):
+            size = b.params[i].numel()
+            for r in range(world):
+                k = int(t_counts[r, j])
+                whole += slot_table[r, offset : offset + k].tolist()
+            offset += size
+        return [v for part in out for v in part.tolist()] + whole
 
 
 class StepMonitor:
@@ -372,8 +489,12 @@ class StepMonitor:
         config: MonitorConfig,
         passengers: Sequence[tuple[str, torch.Tensor]] = (),
         start_step: int = 0,
+        shards: distributed.Shards | None = None,
     ) -> None:
+        """`shards`: the parameters are DTensors (FSDP2); every rank must then watch
+        the same optimizer, since each watched step combines the ranks' slices."""
         self.index = index
+        self.shards = shards
         self.optimizer = optimizer
         self.config = config
         self.emit = emit
@@ -420,7 +541,7 @@ class StepMonitor:
         for i, p in enumerate(params):
             by_device.setdefault(p.device, []).append(i)
         self.buckets = [
-            _Bucket(device, pos, [params[i] for i in pos], config.small)
+            _Bucket(device, pos, [params[i] for i in pos], config.small, shards)
             for device, pos in by_device.items()
         ]
         self._present: list[int] = []
@@ -655,11 +776,22 @@ class StepMonitor:
                         bucket.ring[reset["step"] % RING],
                         bucket.ring_mean(after),
                     ]
-                ).tolist()
+                )
+                if self.shards is not None and self.shards.ranks is not None:
+                    # Norms of the slices -> norms of the parameters (exact per step).
+                    world = self.shards.ranks.world_size
+                    w = torch.tensor(
+                        [distributed.share_of_sum(bucket.params[i], world) for i in bucket.small],
+                        dtype=torch.float64,
+                    )
+                    rows = distributed.all_reduce(
+                        self.shards.ranks, rows.cpu() ** 2 * w, "sum", "watch: reset effects"
+                    ).sqrt()
+                rows_list = rows.tolist()
                 small += [bucket.positions[i] for i in bucket.small]
-                before += rows[0]
-                first += rows[1]
-                mean_after += rows[2]
+                before += rows_list[0]
+                first += rows_list[1]
+                mean_after += rows_list[2]
             self.emit(
                 {
                     "event": "reset_effect",

@@ -1,0 +1,89 @@
+"""check and watch on FSDP2 (fully_shard, DTensor parameters), gloo on CPU: the same
+findings as in one process, from statistics summed over the ranks' local shards."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.distributed import workers_fsdp_watch as w
+from tests.distributed.harness import run_ranks
+
+LAST = "blocks.3.layer_scalar"
+
+
+def _findings(result: dict) -> list[tuple[str, list[str]]]:
+    return [(code, params) for code, params, _ in result["findings"]]
+
+
+@pytest.fixture(scope="module")
+def fused_single() -> dict:
+    return w.fused_check(0, 1)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_check_on_fsdp2_names_w1_and_g_as_in_one_process(tmp_path, fused_single, world):
+    results = run_ranks(w.fused_check, world, tmp_path, deadline_s=120)
+    assert set(results) == set(range(world))
+    assert fused_single["findings"][0][:2] == ["DW101", ["l1.weight", "norm.weight"]]
+    for res in results.values():
+        assert res["dtensor"] is True
+        # whole findings, messages included, as in one process and on every rank
+        assert res["findings"] == fused_single["findings"]
+        dist = res["subject"]["distributed"]
+        assert dist["complete"] is True and dist["sharded"] is True
+        # the ranks' losses over their slices average to the loss of the whole batch
+        assert res["subject"]["loss"] == pytest.approx(fused_single["subject"]["loss"], rel=1e-6)
+        assert res["untouched"] is True and res["grads_left"] == []
+
+
+@pytest.fixture(scope="module")
+def drift_single() -> dict:
+    return w.drift_watch(0, 1)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_watch_on_fsdp2_reports_the_drifting_scalar_as_in_one_process(
+    tmp_path, drift_single, world
+):
+    assert ("DW302", [LAST]) in _findings(drift_single)
+    results = run_ranks(w.drift_watch, world, tmp_path, str(tmp_path / "run.jsonl"), deadline_s=280)
+    assert set(results) == set(range(world))
+    ref = results[0]
+    for res in results.values():
+        assert res["findings"] == ref["findings"]  # one verdict, on every rank
+        assert res["subject"]["distributed"]["complete"] is True
+        assert res["subject"]["detector_errors"] == []
+    assert _findings(ref) == _findings(drift_single)
+    ev, single_ev = ref["evidence"]["DW302"], drift_single["evidence"]["DW302"]
+    # rank 0 holds the shape-[1] scalar whole, the others an empty slice
+    assert len(results[0]["last_scalar_local"]) == 1
+    assert all(results[r]["last_scalar_local"] == [] for r in range(1, world))
+    assert ev["last_value"] == pytest.approx(results[0]["last_scalar_local"][0])
+    assert ev["steps"] == single_ev["steps"] == w.DRIFT_STEPS
+    # rounding differs between the runs, and Adam turns the scalar's noise gradient
+    # into full steps, so its path differs in detail but not in kind
+    assert ev["same_sign_fraction"] >= 0.6 and ev["grad_ratio"] < 1e-3
+    assert abs(ev["last_value"] - ev["first_value"]) > 0.1
+    # the combining traffic: a few float64 per parameter tensor and rank per watched step
+    watched = w.DRIFT_STEPS // 20 + 1
+    per_step = results[0]["shard_bytes"][0] / watched
+    assert per_step < world * 29 * 16 * 8  # 29 parameter tensors, well under 16 numbers each
+
+
+def test_a_rank_that_never_watches_turns_into_an_error_not_a_hang(tmp_path):
+    start = time.monotonic()
+    results = run_ranks(
+        w.watch_one_rank_missing,
+        2,
+        tmp_path,
+        env={"DEADWEIGHT_COLLECTIVE_TIMEOUT": "5"},
+        deadline_s=120,
+    )
+    assert set(results) == {0, 1}
+    assert results[0]["trained"] == [25]  # training went on
+    errors = results[0]["errors"]
+    assert {e["detector"] for e in errors} == {"record", "ranks"}, errors
+    assert all("failed within 5 s" in e["message"] for e in errors), errors
+    assert time.monotonic() - start < 120

@@ -1,0 +1,130 @@
+"""Rank bodies for check and watch on FSDP2 models (module level, so spawned processes
+can import them). Each body also runs in one process (`world=1`, no process group)
+to give the single-process reference on the same model and the same data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import deadweight
+from deadweight.demos import fused_rmsnorm, layer_scalar_drift
+
+# Divisible by 2 and 3: each rank gets an equal slice of the global batch, so the mean
+# of the ranks' losses is the loss of the whole batch, as in one process.
+GLOBAL_BATCH = 60
+DRIFT_STEPS = 300  # DW302 judges after 100 steps; the drift is ~0.2 by step 300
+
+
+def _shard(model: nn.Module, world: int, parts: list[nn.Module]) -> None:
+    if world == 1:
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for part in parts:
+        fully_shard(part, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    n = t.shape[0] // world
+    return t[rank * n : (rank + 1) * n]
+
+
+def _summary(report: deadweight.Report) -> dict[str, Any]:
+    return {
+        "findings": [[f.code, list(f.params), f.message] for f in report.findings],
+        "evidence": {f.code: f.evidence for f in report.findings},
+        "subject": report.subject,
+    }
+
+
+def fused_check(rank: int, world: int) -> dict[str, Any]:
+    """The first seed's fused RMSNorm, checked once; parameters untouched afterwards."""
+    setup = fused_rmsnorm.make(diff=False)
+    model = setup.model
+    _shard(model, world, [])
+    x, y = _slice(setup.x[:GLOBAL_BATCH], rank, world), _slice(setup.y[:GLOBAL_BATCH], rank, world)
+    opt = torch.optim.SGD(model.parameters(), lr=fused_rmsnorm.LR)  # after fully_shard
+    before = {n: deadweight_local(p).clone() for n, p in model.named_parameters()}
+    report = deadweight.check(model, lambda: F.mse_loss(model(x), y), opt)
+    out = _summary(report)
+    out["untouched"] = all(
+        torch.equal(before[n], deadweight_local(p)) for n, p in model.named_parameters()
+    )
+    out["grads_left"] = [n for n, p in model.named_parameters() if p.grad is not None]
+    out["dtensor"] = all(hasattr(p, "to_local") for p in model.parameters()) if world > 1 else None
+    return out
+
+
+def deadweight_local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return (to_local() if callable(to_local) else t).detach()
+
+
+def drift_watch(rank: int, world: int, log: str | None = None) -> dict[str, Any]:
+    """The second seed under watch: a shape-[1] scalar before RMSNorm drifts under AdamW."""
+    torch.manual_seed(0)
+    setup = layer_scalar_drift.make_watchable()
+    model = setup.model
+    _shard(model, world, list(model.blocks))
+    groups = layer_scalar_drift.shape_rule_groups(model)  # over the DTensors
+    opt = torch.optim.AdamW(
+        groups,
+        lr=layer_scalar_drift.WATCH_LR,
+        betas=layer_scalar_drift.BETAS,
+        eps=layer_scalar_drift.WATCH_EPS,
+    )
+    gen = torch.Generator().manual_seed(1)
+    with deadweight.watch(model, opt, every=20, log=log) as w:
+        for _ in range(DRIFT_STEPS):
+            idx = torch.randint(0, setup.x.shape[0], (GLOBAL_BATCH,), generator=gen)
+            x, y = _slice(setup.x[idx], rank, world), _slice(setup.y[idx], rank, world)
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    out = _summary(w.report())
+    last = dict(model.named_parameters())[f"blocks.{layer_scalar_drift.LAYERS - 1}.layer_scalar"]
+    out["last_scalar_local"] = deadweight_local(last).tolist()
+    out["shard_bytes"] = [b.shard_bytes for m in w._monitors.values() for b in m.buckets]
+    out["watched_steps"] = sum(1 for _ in range(1, DRIFT_STEPS + 1))
+    return out
+
+
+def watch_one_rank_missing(rank: int, world: int) -> dict[str, Any]:
+    """Only rank 0 watches: its combining collective must time out, not hang training."""
+    import time
+
+    torch.manual_seed(0)
+    setup = layer_scalar_drift.make_watchable()
+    model = setup.model
+    _shard(model, world, list(model.blocks))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            idx = torch.randint(0, setup.x.shape[0], (GLOBAL_BATCH,), generator=gen)
+            x, y = _slice(setup.x[idx], rank, world), _slice(setup.y[idx], rank, world)
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+
+    start = time.monotonic()
+    if rank != 0:
+        train(25)
+        return {"seconds": time.monotonic() - start}
+    with deadweight.watch(model, opt, every=20) as w:
+        train(25)
+    rep = w.report()
+    trained = {int(state["step"]) for state in opt.state.values()}
+    return {
+        "seconds": time.monotonic() - start,
+        "trained": sorted(trained),
+        "errors": rep.subject["detector_errors"],
+    }
