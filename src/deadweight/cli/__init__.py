@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from deadweight._version import __version__
 from deadweight.cli import check as check_cmd
+from deadweight.cli import config as config_cmd
 from deadweight.cli import demo as demo_cmd
 from deadweight.cli import diff as diff_cmd
 from deadweight.cli import inspect as inspect_cmd
@@ -18,11 +19,13 @@ from deadweight.cli import report as report_cmd
 from deadweight.cli import rules as rules_cmd
 from deadweight.cli import run as run_cmd
 from deadweight.cli import trend as trend_cmd
+from deadweight.cli._common import apply_config
 from deadweight.errors import DeadweightError
+from deadweight.thresholds import using
 
 SUBCOMMANDS = (
     demo_cmd, check_cmd, run_cmd, report_cmd, inspect_cmd, diff_cmd, trend_cmd, lint_cmd,
-    rules_cmd,
+    rules_cmd, config_cmd,
 )  # fmt: skip
 
 
@@ -52,7 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return ExitCode.USAGE
     try:
-        return int(args.run(args))
+        # Every subcommand but `rules` and `config` judges by the project configuration.
+        limits = apply_config(args).thresholds if getattr(args, "reads_config", True) else None
+        with using(limits):
+            return int(args.run(args))
     except DeadweightError as exc:
         cause = exc.__cause__
         if cause is not None and not isinstance(cause, DeadweightError):

@@ -1,17 +1,21 @@
-"""Options and output shared by the subcommands that produce a Report."""
+"""Options and output shared by the subcommands that produce a Report, and the project
+configuration every subcommand reads."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
+from deadweight import config as config_module
+from deadweight.config import Config, Settings
 from deadweight.findings import Severity
 from deadweight.probes.watch_stats import WatchStats
 from deadweight.report import Report
 from deadweight.report.text import render
 
-FAIL_ON_CHOICES = ("error", "warning", "info", "never")
+FAIL_ON_CHOICES = config_module.FAIL_ON_CHOICES
 
 
 def add_report_options(
@@ -23,8 +27,9 @@ def add_report_options(
     parser.add_argument(
         "--fail-on",
         choices=FAIL_ON_CHOICES,
-        default="warning",
-        help="exit with 1 when a finding at or above this severity is found (default: warning)",
+        default=None,
+        help="exit with 1 when a finding at or above this severity is found "
+        "(default: fail-on of the configuration, else warning)",
     )
     parser.add_argument(
         "--select",
@@ -36,8 +41,46 @@ def add_report_options(
         "--ignore",
         action="append",
         metavar="RULES",
-        help="skip these rules: codes, code prefixes or names, comma-separated",
+        help="skip these rules: codes, code prefixes or names, comma-separated "
+        "(added to the configured ignore)",
     )
+    add_config_options(parser)
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", metavar="FILE",
+        help="read the configuration from this deadweight.toml or pyproject.toml instead of "
+        "the nearest one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--isolated", action="store_true",
+        help="read no configuration file (defaults only)",
+    )  # fmt: skip
+
+
+def project_config(args: argparse.Namespace, start: str | Path | None = None) -> Config:
+    """The configuration `args` ask for: --isolated, --config FILE, or the nearest file
+    from `start` (default: the working directory) upwards."""
+    if getattr(args, "isolated", False):
+        return config_module.default()
+    if getattr(args, "config", None):
+        return config_module.load(args.config)
+    return config_module.for_path(start or Path.cwd())
+
+
+def apply_config(args: argparse.Namespace) -> Config:
+    """Fill what the command line left unset from the configuration: fail-on, and
+    select / ignore (--select replaces the configured select, --ignore adds to it).
+    `deadweight lint` merges select / ignore per file itself (`merges_rules=False`)."""
+    cfg = project_config(args)
+    if hasattr(args, "fail_on") and args.fail_on is None:
+        args.fail_on = cfg.fail_on
+    if hasattr(args, "select") and getattr(args, "merges_rules", True):
+        select, ignore = Settings(cfg.select, cfg.ignore).rules(args.select, args.ignore)
+        args.select = list(select) if select else None
+        args.ignore = list(ignore) or None
+    return cfg
 
 
 def add_html_option(parser: argparse.ArgumentParser) -> None:

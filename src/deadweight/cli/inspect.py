@@ -16,7 +16,7 @@ from deadweight.cli._checkpoints import (
     tensor_table,
 )
 from deadweight.errors import InputError
-from deadweight.probes.checkpoint_scan import DEFAULT_SCHEME
+from deadweight.thresholds import DEFAULT as DEFAULT_THRESHOLDS
 
 HELP = "per-tensor statistics, layer outliers, quantization risk and NaN/Inf of checkpoints"
 
@@ -26,9 +26,10 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("paths", nargs="+", metavar="CKPT", help="files, directories or globs")
     parser.add_argument(
         "--scheme",
-        default=DEFAULT_SCHEME,
+        default="default",
         help="quantization scheme for DW403: int4, int8-channel, int4-group128, "
-        f"int8-tensor-asym, ... or 'none' (default: {DEFAULT_SCHEME})",
+        "int8-tensor-asym, ... or 'none' (default: quantization-scheme of the configuration, "
+        f"else {DEFAULT_THRESHOLDS.quantization_scheme})",
     )
     parser.add_argument(
         "--threads",
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     paths, errors = expand(args.paths)
     if not paths and errors:
         raise InputError("; ".join(errors))
-    scheme = None if args.scheme == "none" else args.scheme
+    scheme = args.scheme  # "default": the configured quantization-scheme
     try:
         with progress_bar() as progress:
             report = forensics.inspect_checkpoints(

@@ -18,7 +18,8 @@ from deadweight.report.text import render
 
 HELP = "find the code behind silent gradient bugs in Python (PyTorch) and Rust (candle) sources"
 DESCRIPTION = (
-    HELP + ". Settings come from [tool.deadweight] in the nearest pyproject.toml; "
+    HELP + ". Settings come from the nearest deadweight.toml or [tool.deadweight] in "
+    "pyproject.toml, per linted file; "
     "'# deadweight: ignore[DW501]' (Python) or '// deadweight: ignore[DW511]' (Rust) "
     "silences one line. Exit codes: 0 nothing at or above --fail-on, 1 something, "
     "2 bad arguments or configuration, or no file could be read."
@@ -36,17 +37,11 @@ def add_parser(sub: Any) -> None:
         "--output", "-o", metavar="FILE", help="write the report to FILE instead of stdout"
     )
     parser.add_argument(
-        "--config", metavar="PYPROJECT",
-        help="read [tool.deadweight] from this pyproject.toml instead of the nearest one",
-    )  # fmt: skip
-    parser.add_argument(
-        "--isolated", action="store_true", help="ignore every pyproject.toml (defaults only)"
-    )
-    parser.add_argument(
         "--max-file-size", type=float, default=10.0, metavar="MIB",
         help="larger files are reported instead of parsed (default: 10)",
     )  # fmt: skip
-    parser.set_defaults(run=run)
+    # select / ignore are merged with each file's own nearest configuration, in lint_paths
+    parser.set_defaults(run=run, merges_rules=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,15 +1,18 @@
-"""`deadweight rules [CODE]`: list the rules, or explain one."""
+"""`deadweight rules [CODE]`: list the rules, or print one rule's page; write or check
+the generated pages under docs/rules/."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from rich.console import Console
 from rich.markdown import Markdown
 from rich.table import Table
 
+from deadweight import rule_docs, thresholds
 from deadweight.errors import InputError
 from deadweight.registry import all_rules, get_rule
 
@@ -20,11 +23,33 @@ def add_parser(sub: Any) -> None:
     parser = sub.add_parser("rules", help=HELP, description=HELP + ".")
     parser.add_argument("rule", nargs="?", metavar="CODE", help="a rule code or name, e.g. DW101")
     parser.add_argument("--format", choices=("text", "json", "markdown"), default="text")
-    parser.set_defaults(run=run)
+    docs = parser.add_mutually_exclusive_group()
+    docs.add_argument(
+        "--write-docs", metavar="DIR", help="write one Markdown page per rule and an index to DIR"
+    )
+    docs.add_argument(
+        "--check-docs", metavar="DIR",
+        help="exit with 1 when the pages in DIR differ from the registry (for CI)",
+    )  # fmt: skip
+    parser.set_defaults(run=run, reads_config=False)
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    if args.write_docs:
+        written = rule_docs.write_docs(args.write_docs)
+        print(f"{len(written)} page(s) written to {args.write_docs}", file=sys.stderr)
+        return 0
+    if args.check_docs:
+        problems = rule_docs.stale_docs(args.check_docs)
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        if problems:
+            print(
+                f"deadweight: regenerate with `deadweight rules --write-docs {args.check_docs}`",
+                file=sys.stderr,
+            )
+        return 1 if problems else 0
     if args.rule:
         try:
             found = get_rule(args.rule)
@@ -32,12 +57,10 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(exc.args[0]) from None
         if args.format == "json":
             print(json.dumps(_rule_dict(found), indent=2))
+        elif args.format == "markdown":
+            print(rule_docs.rule_page(found))
         else:
-            console.print(
-                f"[bold]{found.code} {found.name}[/] ({found.severity.value}, {found.family})"
-            )
-            console.print(found.summary)
-            console.print(Markdown(found.doc))
+            console.print(Markdown(rule_docs.rule_page(found)))
         return 0
     if args.format == "json":
         print(json.dumps([_rule_dict(r) for r in all_rules()], indent=2))
@@ -67,4 +90,5 @@ def _rule_dict(r: Any) -> dict[str, Any]:
         "family": r.family,
         "summary": r.summary,
         "doc": r.doc,
+        "thresholds": {key: default for key, default, _, _ in thresholds.for_rule(r.code)},
     }
