@@ -13,24 +13,67 @@ Public API::
     print(w.report())
 
     report = deadweight.lint_paths(["src/"])   # source patterns behind silent gradient bugs
+
+    deadweight.testing.assert_all_learn(model, loss_fn)   # in a model's unit tests
+
+Names are imported on first use, so `import deadweight` (and the pytest plugin, which
+every pytest run in an environment with deadweight loads) does not import torch.
 """
 
 from __future__ import annotations
 
-from deadweight._version import __version__
-from deadweight.check_model import check
-from deadweight.errors import DeadweightError, InputError, LossFnError
-from deadweight.findings import Finding, Location, Severity
-from deadweight.fixes.param_groups import param_groups
-from deadweight.fixes.pin import PinHandle, pin
-from deadweight.forensics import diff_checkpoints, inspect_checkpoints, trend_checkpoints
-from deadweight.lint import lint_paths
-from deadweight.registry import Rule, all_rules, get_rule
-from deadweight.report import SCHEMA_VERSION, Report
-from deadweight.watcher import Watch, watch
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
+from deadweight._version import __version__
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "SCHEMA_VERSION": "deadweight.report",
+    "Config": "deadweight.config",
+    "ConfigError": "deadweight.errors",
+    "DeadweightError": "deadweight.errors",
+    "Finding": "deadweight.findings",
+    "InputError": "deadweight.errors",
+    "Location": "deadweight.findings",
+    "LossFnError": "deadweight.errors",
+    "PinHandle": "deadweight.fixes.pin",
+    "Report": "deadweight.report",
+    "Rule": "deadweight.registry",
+    "Severity": "deadweight.findings",
+    "Thresholds": "deadweight.thresholds",
+    "Watch": "deadweight.watcher",
+    "all_rules": "deadweight.registry",
+    "check": "deadweight.check_model",
+    "diff_checkpoints": "deadweight.forensics",
+    "get_rule": "deadweight.registry",
+    "inspect_checkpoints": "deadweight.forensics",
+    "lint_paths": "deadweight.lint",
+    "load_config": "deadweight.config",
+    "param_groups": "deadweight.fixes.param_groups",
+    "pin": "deadweight.fixes.pin",
+    "trend_checkpoints": "deadweight.forensics",
+    "watch": "deadweight.watcher",
+}
+
+if TYPE_CHECKING:
+    from deadweight.check_model import check
+    from deadweight.config import Config, load_config
+    from deadweight.errors import ConfigError, DeadweightError, InputError, LossFnError
+    from deadweight.findings import Finding, Location, Severity
+    from deadweight.fixes.param_groups import param_groups
+    from deadweight.fixes.pin import PinHandle, pin
+    from deadweight.forensics import diff_checkpoints, inspect_checkpoints, trend_checkpoints
+    from deadweight.lint import lint_paths
+    from deadweight.registry import Rule, all_rules, get_rule
+    from deadweight.report import SCHEMA_VERSION, Report
+    from deadweight.thresholds import Thresholds
+    from deadweight.watcher import Watch, watch
+
+__all__ = [  # the same names as _EXPORTS, and the version
     "SCHEMA_VERSION",
+    "Config",
+    "ConfigError",
     "DeadweightError",
     "Finding",
     "InputError",
@@ -40,6 +83,7 @@ __all__ = [
     "Report",
     "Rule",
     "Severity",
+    "Thresholds",
     "Watch",
     "__version__",
     "all_rules",
@@ -48,8 +92,22 @@ __all__ = [
     "get_rule",
     "inspect_checkpoints",
     "lint_paths",
+    "load_config",
     "param_groups",
     "pin",
     "trend_checkpoints",
     "watch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deadweight' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
