@@ -124,7 +124,9 @@ def run(variant: str, path: str) -> dict[str, float]:
     imports = "import json"
     # Imports are outside the timing: deadweight and torch load once per process.
     if "deadweight" in body:
-        imports += "\nimport deadweight"
+        # the rule modules too: without cached bytecode (PYTHONDONTWRITEBYTECODE) compiling
+        # them costs about half a second, which is not reading
+        imports += "\nimport deadweight, deadweight.forensics\ndeadweight.all_rules()"
     if "torch" in body:
         imports += "\nimport torch\nfrom safetensors.torch import load_file"
     code = RUNNER.format(imports=imports, body=body)

@@ -112,6 +112,8 @@ def test_joint_risk_is_computed_in_the_same_pass_exactly(
     # the largest magnitude of some groups on their last element: the joint group that
     # starts one element earlier loses it (the rare path in the kernel)
     flat[255::256] = 0.7
+    # and a negative one before a group whose own values are all smaller in magnitude
+    flat[383::512] = -0.9
     scalars = [("s.big", 56.25), ("s.zero", 0.0), ("s.neg", -0.01), ("s.one", 1.0)]
     result, whole = _scan(tmp_path, tensor, scheme, scalars)
     assert result.joint is not None

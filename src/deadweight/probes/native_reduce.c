@@ -316,19 +316,10 @@ typedef double vbd __attribute__((vector_size(8 * GROUP_BATCH)));
 typedef uint64_t vbul __attribute__((vector_size(8 * GROUP_BATCH)));
 typedef int64_t vbdm __attribute__((vector_size(8 * GROUP_BATCH)));
 
-static inline vbd positive_or_one(const vbd scale) {
-    const vbdm positive = (vbdm)(scale > 0);
-    return (vbd)(((vbdm)scale & positive) | ((vbdm)((vbd){} + 1.0) & ~positive));
-}
-
-static inline vbf max_vbf(vbf a, vbf b) {
-    const vbm bigger = (vbm)(b > a);
-    return (vbf)(((vbm)b & bigger) | ((vbm)a & ~bigger));
-}
-static inline vbd max_vbd(vbd a, vbd b) {
-    const vbdm bigger = (vbdm)(b > a);
-    return (vbd)(((vbdm)b & bigger) | ((vbdm)a & ~bigger));
-}
+/* The larger of two batch vectors (variables: they are read twice), as a macro: batch
+ * vectors are wider than some targets' registers, and a function taking them by value would
+ * have a target-dependent calling convention. */
+#define MAX_VB(T, M, a, b) ((T)(((M)(b) & (M)((b) > (a))) | ((M)(a) & ~(M)((b) > (a)))))
 
 /* The batch's largest magnitudes: the larger of the per-lane parts (what is left of each
  * group's vector maximum, fold_max_vf) and the tails', and at least 0. */
@@ -337,9 +328,10 @@ static void tops_f(float part[4][GROUP_BATCH], const float *tails, float *tops) 
     memcpy(&top, tails, sizeof top);
     for (int l = 0; l < 4; l++) {
         memcpy(&x, part[l], sizeof x);
-        top = max_vbf(top, x);
+        top = MAX_VB(vbf, vbm, top, x);
     }
-    top = max_vbf(top, (vbf){});
+    const vbf zero = (vbf){};
+    top = MAX_VB(vbf, vbm, top, zero);
     memcpy(tops, &top, sizeof top);
 }
 static void tops_d(double part[4][GROUP_BATCH], const double *tails, double *tops) {
@@ -347,16 +339,19 @@ static void tops_d(double part[4][GROUP_BATCH], const double *tails, double *top
     memcpy(&top, tails, sizeof top);
     for (int l = 0; l < 2; l++) {
         memcpy(&x, part[l], sizeof x);
-        top = max_vbd(top, x);
+        top = MAX_VB(vbd, vbdm, top, x);
     }
-    top = max_vbd(top, (vbd){});
+    const vbd zero = (vbd){};
+    top = MAX_VB(vbd, vbdm, top, zero);
     memcpy(tops, &top, sizeof top);
 }
 
 static void grids_f(const float *tops, double qmax, float *invs, float *bounds, int nb) {
     vbf top;
     memcpy(&top, tops, sizeof top);
-    const vbd scale = positive_or_one(__builtin_convertvector(top, vbd) / qmax);
+    vbd scale = __builtin_convertvector(top, vbd) / qmax;
+    const vbdm positive = (vbdm)(scale > 0);
+    scale = (vbd)(((vbdm)scale & positive) | ((vbdm)((vbd){} + 1.0) & ~positive));
     const vbf inv = __builtin_convertvector(1.0 / scale, vbf);
     vbu t = (vbu)(0.5f / inv);
     t += (vbu)((vbf)t * inv > 0.5f); /* a true lane is all ones: one step down */
@@ -373,7 +368,10 @@ static void grids_f(const float *tops, double qmax, float *invs, float *bounds, 
 static void grids_d(const double *tops, double qmax, double *invs, double *bounds, int nb) {
     vbd top;
     memcpy(&top, tops, sizeof top);
-    const vbd inv = 1.0 / positive_or_one(top / qmax);
+    vbd scale = top / qmax;
+    const vbdm positive = (vbdm)(scale > 0);
+    scale = (vbd)(((vbdm)scale & positive) | ((vbdm)((vbd){} + 1.0) & ~positive));
+    const vbd inv = 1.0 / scale;
     vbul t = (vbul)(0.5 / inv);
     t += (vbul)((vbd)t * inv > 0.5);
     t += (vbul)((vbd)t * inv > 0.5);
@@ -524,19 +522,61 @@ static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
 
 /* Adds the accumulators of `n` elements into *m; `ok` becomes 0 when they held NaN/Inf (or
  * squares beyond float range) and the caller must redo those elements with the slow path. */
+/* The lanes of a flush's accumulators, taken by value so that the accumulators themselves
+ * are never indexed by lane (which would keep them in memory instead of registers), and
+ * reduced as vectors: a flush's sums are not one long chain of scalar additions. */
+typedef float vfh __attribute__((vector_size(VBYTES / 2)));
+static inline double hsum_vd(vd v) {
+    const char *p = (const char *)&v;
+    vd2 t;
+    memcpy(&t, p, 16);
+    for (int o = 16; o < VBYTES; o += 16) {
+        vd2 x;
+        memcpy(&x, p + o, 16);
+        t += x;
+    }
+    return t[0] + t[1];
+}
+static inline vd widen_low(vf v) {
+    vfh h;
+    memcpy(&h, &v, sizeof h);
+    return __builtin_convertvector(h, vd);
+}
+static inline vd widen_high(vf v) {
+    vfh h;
+    memcpy(&h, (const char *)&v + sizeof h, sizeof h);
+    return __builtin_convertvector(h, vd);
+}
+static inline double lanes_sum_vf(double t, vf a, vf b) {
+    return t + hsum_vd((widen_low(a) + widen_high(a)) + (widen_low(b) + widen_high(b)));
+}
+static inline double lanes_sum_vd(double t, vd a, vd b) { return t + hsum_vd(a + b); }
+static inline double lanes_min_vf(double t, vf a, vf b) {
+    const double m = -hmax_vf(-min_vf(a, b));
+    return m < t ? m : t;
+}
+static inline double lanes_max_vf(double t, vf a, vf b) {
+    const double m = hmax_vf(max_vf(a, b));
+    return m > t ? m : t;
+}
+static inline double lanes_min_vd(double t, vd a, vd b) {
+    const double m = -hmax_vd(-min_vd(a, b));
+    return m < t ? m : t;
+}
+static inline double lanes_max_vd(double t, vd a, vd b) {
+    const double m = hmax_vd(max_vd(a, b));
+    return m > t ? m : t;
+}
+static inline int64_t lanes_count_vfm(vfm a, vfm b) { return hsum_vfm(a) + hsum_vfm(b); }
+static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_vdm(b); }
+#define LANES(OP, t, a, b) _Generic((a), vf: lanes_##OP##_vf, vd: lanes_##OP##_vd)(t, a, b)
+#define LANES_COUNT(a, b) _Generic((a), vfm: lanes_count_vfm, vdm: lanes_count_vdm)(a, b)
+
 #define ACC_FLUSH(W, n, ok)                                                                 \
     do {                                                                                    \
-        double fs = ss, fq = sq, flo = slo, fhi = shi;                                      \
-        int64_t fz = sz;                                                                    \
-        for (int j = 0; j < (W); j++) {                                                     \
-            fs += (double)s[j] + (double)s2[j];                                             \
-            fq += (double)q[j] + (double)q2[j];                                             \
-            fz += z[j] + z2[j];                                                             \
-            if (lo[j] < flo) flo = lo[j];                                                   \
-            if (lo2[j] < flo) flo = lo2[j];                                                 \
-            if (hi[j] > fhi) fhi = hi[j];                                                   \
-            if (hi2[j] > fhi) fhi = hi2[j];                                                 \
-        }                                                                                   \
+        const double fs = LANES(sum, ss, s, s2), fq = LANES(sum, sq, q, q2);                \
+        const double flo = LANES(min, slo, lo, lo2), fhi = LANES(max, shi, hi, hi2);        \
+        const int64_t fz = sz + LANES_COUNT(z, z2);                                         \
         ok = isfinite(fs) && isfinite(fq) && isfinite(flo) && isfinite(fhi);                \
         if (ok) {                                                                           \
             m->count += (n);                                                                \
@@ -639,12 +679,67 @@ static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
     }
 
 /*
+ * The joint blocks of a batch of own blocks (all of `len` elements), in vectors: in nearly
+ * every block the element before it and its own last element are both below its largest
+ * magnitude, so the grid is the same, the change in zero-rounded elements is two compares,
+ * and the range ratio is 1 unless the top is alone. Those blocks are done here together; the
+ * others, and the tensor's first joint block, go through joint_* one by one, in order (a
+ * ratio of 1 never replaces a worst block already found, so the order is kept).
+ */
+#define DEFINE_JOINT_BATCH(NAME, SRC, VAL, VB, VBM, LOAD)                                    \
+    static void joint_batch_##NAME(const SRC *const *ptr, int64_t len, const VAL *tops,     \
+                                   const VAL *invs, const int64_t *nears, int nb,           \
+                                   const SRC *x, const SRC *joint_prev, double qmax,        \
+                                   int64_t first_id, dw_groups *gj) {                       \
+        VAL prev[GROUP_BATCH] = {0}, last[GROUP_BATCH] = {0};                               \
+        VAL near[GROUP_BATCH] = {0}, has[GROUP_BATCH] = {0};                                \
+        for (int j = 0; j < nb; j++) {                                                      \
+            const SRC *p = ptr[j];                                                          \
+            has[j] = p > x || joint_prev != NULL;                                           \
+            prev[j] = p > x ? LOAD(p, -1) : joint_prev != NULL ? LOAD(joint_prev, 0) : 0;   \
+            last[j] = LOAD(p, len - 1);                                                     \
+            near[j] = (VAL)nears[j];                                                        \
+        }                                                                                   \
+        VB top, inv, pv, lv, nv, hv;                                                        \
+        memcpy(&top, tops, sizeof top);                                                     \
+        memcpy(&inv, invs, sizeof inv);                                                     \
+        memcpy(&pv, prev, sizeof pv);                                                       \
+        memcpy(&lv, last, sizeof lv);                                                       \
+        memcpy(&nv, near, sizeof nv);                                                       \
+        memcpy(&hv, has, sizeof hv);                                                        \
+        const VBM pneg = (VBM)(pv < 0), lneg = (VBM)(lv < 0);                               \
+        const VB ap = (VB)(((VBM)-pv & pneg) | ((VBM)pv & ~pneg)),                          \
+                 al = (VB)(((VBM)-lv & lneg) | ((VBM)lv & ~lneg));                          \
+        /* near count of the joint block: the own block's, less its last, plus the one     \
+         * before (counts are small integers, exact in VAL) */                              \
+        const VB near_j = nv - (VB)((VBM)(al + al >= top) & (VBM)((VB){} + (VAL)1)) +       \
+                          (VB)((VBM)(ap + ap >= top) & (VBM)((VB){} + (VAL)1));             \
+        VBM usual = (VBM)(hv != 0) & (VBM)(al < top) & (VBM)(ap <= top) &                   \
+                    ((VBM)(near_j != 1) | (VBM)((VB){} + (VAL)len == 1));                   \
+        const VB sp = pv * inv, sl = lv * inv;                                              \
+        const VBM rp = (VBM)(pv != 0) & (VBM)(sp <= (VAL)0.5) & (VBM)(sp >= (VAL)-0.5);     \
+        const VBM rl = (VBM)(lv != 0) & (VBM)(sl <= (VAL)0.5) & (VBM)(sl >= (VAL)-0.5);     \
+        int64_t delta = 0;                                                                  \
+        for (int j = 0; j < nb; j++) {                                                      \
+            if (!has[j]) continue;                                                          \
+            if (usual[j] && gj->worst_block >= 0) {                                         \
+                delta += (rp[j] != 0) - (rl[j] != 0);                                       \
+            } else {                                                                        \
+                joint_##NAME(ptr[j], len, prev[j], tops[j], nears[j], invs[j], qmax,        \
+                             first_id + j, gj);                                             \
+            }                                                                               \
+        }                                                                                   \
+        gj->zero_rounded += delta;                                                          \
+    }
+
+/*
  * Pass 2 over one group, from L1: adds to *below the elements with |v| <= bound
  * and returns how many have 2|v| >= top.
  */
 #define DEFINE_PASS2(NAME, SRC, VAL, V, W, ABS, COUNT_LE, COUNT_GE, VLOAD2, LOAD)           \
     static inline int64_t pass2_##NAME(const SRC *p, int64_t len, VAL top, VAL bound,       \
-                                       int64_t *below) {                                    \
+                                       uint32_t words, int64_t *below) {                    \
+        (void)words;                                                                        \
         const VAL half = top * (VAL)0.5;                                                    \
         const V vbound = (V){} + bound, vhalf = (V){} + half, vtop = (V){} + top;           \
         int64_t k = 0, near = 0, r = 0;                                                     \
@@ -691,11 +786,32 @@ static inline uint16_t bf16_near_word(float top) {
     return w;
 }
 
+/* The two words of a batch of groups, `lo | hi << 16` each (see words_bf16). */
+static void words_bf16(const float *tops, const float *bounds, uint32_t *words, int nb) {
+    vbf top, bound;
+    memcpy(&top, tops, sizeof top);
+    memcpy(&bound, bounds, sizeof bound);
+    const vbu lo = (vbu)bound >> 16;
+    vbu hi = (vbu)(top * 0.5f) >> 16; /* exact for any normal top; else a step or two off */
+    hi += (vbu)((vbf)((hi - 1) << 16) * 2.0f >= top) & (vbu)(hi > 0); /* a step down */
+    hi -= ~(vbu)((vbf)(hi << 16) * 2.0f >= top);                      /* a step up */
+    const vbm exact = (vbm)((vbf)(hi << 16) * 2.0f >= top) &
+                      ((vbm)(hi == 0) | ~(vbm)((vbf)((hi - 1) << 16) * 2.0f >= top)) &
+                      (vbm)(top <= 0x1.fep127f);
+    for (int j = 0; j < nb; j++)
+        words[j] = lo[j] | (uint32_t)(exact[j] ? hi[j] : bf16_near_word(tops[j])) << 16;
+}
+static void no_words(const float *tops, const float *bounds, uint32_t *words, int nb) {
+    (void)tops, (void)bounds, (void)words, (void)nb;
+}
+static void no_words_d(const double *tops, const double *bounds, uint32_t *words, int nb) {
+    (void)tops, (void)bounds, (void)words, (void)nb;
+}
+
 static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, float bound,
-                                 int64_t *below) {
-    uint32_t bound_bits;
-    memcpy(&bound_bits, &bound, sizeof bound_bits);
-    const uint16_t lo = (uint16_t)(bound_bits >> 16), hi = bf16_near_word(top);
+                                 uint32_t words, int64_t *below) {
+    (void)top, (void)bound;
+    const uint16_t lo = (uint16_t)words, hi = (uint16_t)(words >> 16);
     const vw vlo = (vw){} + lo, vhi = (vw){} + hi;
     int64_t k = 0, near = 0, r = 0;
     for (; k + VBYTES / 2 <= len; k += VBYTES / 2) {
@@ -732,7 +848,7 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
  * when `cols == group`. `joint_prev` points at the element before x, or is NULL when x starts
  * the tensor (that block holds the scalar; the caller measures it).
  */
-#define DEFINE_GROUPS(NAME, SRC, VAL, V, VM, W, MIN, MAX, R16, FOLD, TOPS, GRIDS, VLOAD2, LOAD) \
+#define DEFINE_GROUPS(NAME, SRC, VAL, V, VM, W, MIN, MAX, R16, FOLD, TOPS, GRIDS, WORDS, VLOAD2, LOAD) \
     void dw_groups_##NAME(const SRC *x, int64_t rows, int64_t cols, int64_t group,          \
                           double qmax, int64_t first_block, double shift, dw_moments *m,    \
                           dw_groups *g, const SRC *joint_prev, dw_groups *gj) {             \
@@ -749,6 +865,8 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
         const SRC *ptrs[2][GROUP_BATCH];                                                    \
         int64_t lengths[2][GROUP_BATCH];                                                    \
         VAL topss[2][GROUP_BATCH], invss[2][GROUP_BATCH], boundss[2][GROUP_BATCH];          \
+        uint32_t wordss[2][GROUP_BATCH];                                                    \
+        int64_t nears[GROUP_BATCH];                                                         \
         VAL part[4][GROUP_BATCH] = {{0}}, tails[GROUP_BATCH] = {0};                         \
         int64_t row = 0, col = 0; /* where the next block starts */                         \
         int64_t before = 0;       /* the previous batch's first block */                    \
@@ -774,6 +892,14 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 V glo2 = glo, ghi2 = ghi;                                                   \
                 VAL u1 = 0;                                                                 \
                 int64_t i = 0;                                                              \
+                if (len == 128) { /* the usual group: a constant count, unrolled */         \
+                    for (; i < 128; i += 2 * (W)) {                                         \
+                        V v, w;                                                             \
+                        VLOAD2(p, i, &v, &w);                                               \
+                        ACC_ADD(MIN, MAX, VM, v, sh, glo, ghi, s, q, z);                    \
+                        ACC_ADD(MIN, MAX, VM, w, sh, glo2, ghi2, s2, q2, z2);               \
+                    }                                                                       \
+                }                                                                           \
                 for (; i + 2 * (W) <= len; i += 2 * (W)) {                                  \
                     V v, w;                                                                 \
                     VLOAD2(p, i, &v, &w);                                                   \
@@ -809,6 +935,7 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
             if (nb) {                                                                       \
                 TOPS(part, tails, topss[cur]);                                              \
                 GRIDS(topss[cur], qmax, invss[cur], boundss[cur], nb);                      \
+                WORDS(topss[cur], boundss[cur], wordss[cur], nb);                           \
             }                                                                               \
             /* pass 2 of the previous batch, from L1 or L2: elements rounding to 0, and     \
              * whether the top is alone */                                                  \
@@ -819,7 +946,10 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 const SRC *p = ptrs[old][j];                                                \
                 const int64_t len = lengths[old][j];                                        \
                 const VAL top = tops[j];                                                    \
-                const int64_t near = pass2_##NAME(p, len, top, bounds[j], &below);   \
+                const uint32_t words = wordss[old][j];                                      \
+                const int64_t near = len == 128                                             \
+                                         ? pass2_##NAME(p, 128, top, bounds[j], words, &below) \
+                                         : pass2_##NAME(p, len, top, bounds[j], words, &below); \
                 double ratio = 1.0;                                                         \
                 if (len > 1 && near == 1) { /* top is alone: the bulk ends at the second */ \
                     VAL second = 0;                                                         \
@@ -834,10 +964,11 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                     g->worst_ratio = ratio;                                                 \
                     g->worst_block = id;                                                    \
                 }                                                                           \
-                if (gj != NULL && (p > x || joint_prev != NULL))                            \
-                    joint_##NAME(p, len, p > x ? LOAD(p, -1) : LOAD(joint_prev, 0), top, near, \
-                                 invs[j], qmax, id, gj);                                    \
+                nears[j] = near;                                                            \
             }                                                                               \
+            if (gj != NULL && nb_before)                                                    \
+                joint_batch_##NAME(ptrs[old], group, tops, invs, nears, nb_before, x,       \
+                                   joint_prev, qmax, first_block + before, gj);             \
             /* every zero was counted as rounding to 0 (they are taken out at the end) */   \
             g->zero_rounded += below;                                                       \
             if (!nb) break;                                                                 \
@@ -862,14 +993,21 @@ DEFINE_JOINT(f32, float, float, load_f32)
 DEFINE_JOINT(bf16, uint16_t, float, load_bf16)
 DEFINE_JOINT(f16, uint16_t, float, load_f16)
 DEFINE_JOINT(f64, double, double, load_f64)
+DEFINE_JOINT_BATCH(f32, float, float, vbf, vbm, load_f32)
+DEFINE_JOINT_BATCH(bf16, uint16_t, float, vbf, vbm, load_bf16)
+DEFINE_JOINT_BATCH(f16, uint16_t, float, vbf, vbm, load_f16)
+DEFINE_JOINT_BATCH(f64, double, double, vbd, vbdm, load_f64)
 DEFINE_PASS2(f32, float, float, vf, VF_LANES, abs_vf, count_le_vf, count_ge_vf, vload2_f32, load_f32)
 DEFINE_PASS2(f16, uint16_t, float, vf, VF_LANES, abs_vf, count_le_vf, count_ge_vf, vload2_f16, load_f16)
 DEFINE_PASS2(f64, double, double, vd, VD_LANES, abs_vd, count_le_vd, count_ge_vd, vload2_f64, load_f64)
-DEFINE_GROUPS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f, vload2_f32, load_f32)
-DEFINE_GROUPS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f, vload2_bf16,
-              load_bf16)
-DEFINE_GROUPS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f, vload2_f16, load_f16)
-DEFINE_GROUPS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, vd2, fold_max_vd, tops_d, grids_d, vload2_f64, load_f64)
+DEFINE_GROUPS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f,
+              no_words, vload2_f32, load_f32)
+DEFINE_GROUPS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f,
+              words_bf16, vload2_bf16, load_bf16)
+DEFINE_GROUPS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f,
+              no_words, vload2_f16, load_f16)
+DEFINE_GROUPS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, vd2, fold_max_vd, tops_d, grids_d,
+              no_words_d, vload2_f64, load_f64)
 
 /* Lets the loader check that it talks to the code it compiled. */
 int dw_abi_version(void) { return 3; }
