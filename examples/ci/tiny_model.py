@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "first_model_test"))
-from model import TinyNet  # noqa: E402  (your model's import goes here)
+from model import TinyNet  # your model's import goes here
 
 
 def make() -> tuple[torch.nn.Module, object, torch.optim.Optimizer]:
