@@ -13,6 +13,11 @@ from tests.distributed.harness import run_ranks
 LAST = "blocks.3.layer_scalar"
 
 
+def ref_numbers(result: dict) -> dict:
+    assert set(result["reference"]) == set(result["measured"])
+    return result["reference"]
+
+
 def _findings(result: dict) -> list[tuple[str, list[str]]]:
     return [(code, params) for code, params, _ in result["findings"]]
 
@@ -66,6 +71,15 @@ def test_watch_on_fsdp2_reports_the_drifting_scalar_as_in_one_process(
     # into full steps, so its path differs in detail but not in kind
     assert ev["same_sign_fraction"] >= 0.6 and ev["grad_ratio"] < 1e-3
     assert abs(ev["last_value"] - ev["first_value"]) > 0.1
+    # whole-parameter numbers from the shards, against the whole tensors
+    for name, ref in ref_numbers(results[0]).items():
+        got = results[0]["measured"][name]
+        assert got["param_norm"] == pytest.approx(ref["param_norm"], rel=1e-5), name
+        assert got["grad_rms"] == pytest.approx(ref["grad_rms"], rel=1e-5), name
+        if ref["value"] is not None:  # tiny parameters, put back together in rank order
+            assert got["value"] == pytest.approx(ref["value"], rel=1e-6), name
+        if got["drift"] is not None:  # one norm of the whole change: exact
+            assert got["drift"] == pytest.approx(ref["drift"], rel=1e-5), name
     # the combining traffic: a few float64 per parameter tensor and rank per watched step
     watched = w.DRIFT_STEPS // 20 + 1
     per_step = results[0]["shard_bytes"][0] / watched

@@ -62,6 +62,11 @@ def fused_check(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)
+    return (full() if callable(full) else t).detach()
+
+
 def deadweight_local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return (to_local() if callable(to_local) else t).detach()
@@ -81,14 +86,40 @@ def drift_watch(rank: int, world: int, log: str | None = None) -> dict[str, Any]
         eps=layer_scalar_drift.WATCH_EPS,
     )
     gen = torch.Generator().manual_seed(1)
+    # The slow reference, whole tensors assembled in the test only (deadweight never
+    # gathers): start values, and the squared gradient norms of the last window.
+    start = {n: _full(p).clone() for n, p in model.named_parameters()}
+    window_gsq = {n: 0.0 for n in start}
     with deadweight.watch(model, opt, every=20, log=log) as w:
-        for _ in range(DRIFT_STEPS):
+        for step in range(1, DRIFT_STEPS + 1):
             idx = torch.randint(0, setup.x.shape[0], (GLOBAL_BATCH,), generator=gen)
             x, y = _slice(setup.x[idx], rank, world), _slice(setup.y[idx], rank, world)
             opt.zero_grad(set_to_none=True)
             F.mse_loss(model(x), y).backward()
+            if step > DRIFT_STEPS - 20:
+                for n, p in model.named_parameters():
+                    window_gsq[n] += float(_full(p.grad).double().norm() ** 2)
             opt.step()
     out = _summary(w.report())
+    tracks = w.stats.params
+    out["measured"] = {
+        n: {
+            "param_norm": t.series.param_norm[-1],
+            "grad_rms": t.series.grad_rms[-1],
+            "value": t.series.value[-1] if t.series.value else None,
+            "drift": t.small_stats.drift if t.small_stats else None,
+        }
+        for n, t in tracks.items()
+    }
+    out["reference"] = {
+        n: {
+            "param_norm": float(_full(p).double().norm()),
+            "grad_rms": (window_gsq[n] / 20) ** 0.5,
+            "value": _full(p).reshape(-1).tolist() if p.numel() <= 16 else None,
+            "drift": float((_full(p) - start[n]).double().norm()),
+        }
+        for n, p in model.named_parameters()
+    }
     last = dict(model.named_parameters())[f"blocks.{layer_scalar_drift.LAYERS - 1}.layer_scalar"]
     out["last_scalar_local"] = deadweight_local(last).tolist()
     out["shard_bytes"] = [b.shard_bytes for m in w._monitors.values() for b in m.buckets]
