@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 import deadweight
-from deadweight.demos import layer_scalar_drift
+from deadweight.demos import fused_rmsnorm, layer_scalar_drift
 from tests.test_forensics_seeds import _incident_checkpoint
 
 TIMEOUT = 300  # generous: shared CI machines
@@ -28,6 +34,41 @@ def drift_log(path: Path) -> Path:
         setup.optimizer.state.clear()  # --no-load-optim: Adam's moments start from zero
         layer_scalar_drift.train(setup, AFTER_RESET, every=AFTER_RESET)
     return path
+
+
+def loss_log(path: Path, *, diff: bool = False, steps: int = fused_rmsnorm.STEPS) -> Path:
+    """Seed 1 watched with its loss logged: w1 and g never move, the loss plateaus
+    (`diff`: the differentiable RMSNorm, where everything learns)."""
+    setup = fused_rmsnorm.make(diff)
+    with deadweight.watch(setup.model, setup.optimizer, every=20, log=path) as w:
+        for _ in range(steps):
+            setup.optimizer.zero_grad(set_to_none=True)
+            loss = setup.loss()
+            loss.backward()
+            setup.optimizer.step()
+            w.log_loss(loss)
+    return path
+
+
+def figure(text: str, div: str) -> dict[str, Any]:
+    """The data and layout of one plotly figure of a page, arrays decoded."""
+    match = re.search(r'Plotly\.newPlot\(\s*"' + re.escape(div) + r'",\s*', text)
+    assert match is not None, f"no figure {div}"
+    decoder = json.JSONDecoder()
+    data, end = decoder.raw_decode(text, match.end())
+    layout, _ = decoder.raw_decode(text, text.index("{", end))
+    return {"data": _decoded(data), "layout": layout}
+
+
+def _decoded(value: Any) -> Any:
+    """plotly writes numeric arrays as {"dtype", "bdata"} (base64 of the raw array)."""
+    if isinstance(value, dict) and "bdata" in value and "dtype" in value:
+        return np.frombuffer(base64.b64decode(value["bdata"]), dtype=value["dtype"]).tolist()
+    if isinstance(value, dict):
+        return {k: _decoded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decoded(v) for v in value]
+    return value
 
 
 def incident_checkpoints(directory: Path) -> list[str]:

@@ -16,7 +16,7 @@ import deadweight
 from deadweight.cli import main
 from deadweight.demos import fused_rmsnorm
 from deadweight.report import html as html_report
-from tests.report.html_inputs import LAST, drift_log, dw, incident_checkpoints
+from tests.report.html_inputs import LAST, dw, incident_checkpoints
 
 pytest.importorskip("plotly", reason="the HTML report needs deadweight[html]")
 
@@ -48,9 +48,9 @@ class _Page(HTMLParser):
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def inputs(tmp_path_factory: pytest.TempPathFactory, drift_jsonl: Path) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("inputs")
-    log = drift_log(d / "drift.jsonl")
+    log = drift_jsonl
     paths = incident_checkpoints(d)
     saved = {
         "inspect": deadweight.inspect_checkpoints([paths[-1]], scheme="int4"),

@@ -16,7 +16,7 @@ import pytest
 
 import deadweight
 from deadweight.cli import main
-from tests.report.html_inputs import DRIFT_STEPS, LAST, VALUES, drift_log, incident_checkpoints
+from tests.report.html_inputs import DRIFT_STEPS, LAST, VALUES, incident_checkpoints, loss_log
 
 # The switches that keep Chromium from talking to anything on its own.
 CHROMIUM_ARGS = [
@@ -94,16 +94,16 @@ def open_offline(context: Any, path: Path) -> Opened:
 
 
 @pytest.fixture(scope="module")
-def report_page(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def report_page(tmp_path_factory: pytest.TempPathFactory, drift_jsonl: Path) -> Path:
     d = tmp_path_factory.mktemp("browser")
-    log = drift_log(d / "drift.jsonl")
+    log = drift_jsonl
     paths = incident_checkpoints(d)
     saved = {
         "inspect": deadweight.inspect_checkpoints([paths[-1]], scheme="int4"),
         "diff": deadweight.diff_checkpoints(paths[0], paths[-1]),
         "trend": deadweight.trend_checkpoints(paths),
     }
-    files = [str(log)]
+    files = [str(log), str(loss_log(d / "fused.jsonl"))]
     for kind, report in saved.items():
         (d / f"{kind}.json").write_text(report.to_json())
         files.append(str(d / f"{kind}.json"))
@@ -190,7 +190,8 @@ def test_the_32_layer_scalars_with_the_outlier_highlighted(browser_context, repo
             }}"""
         )
         assert "optimizer-state reset" in trajectory["names"]
-        assert any(n.startswith("steady drift") for n in trajectory["names"])
+        assert any(n.startswith("measured drift") for n in trajectory["names"])
+        assert any(n.startswith("predicted") for n in trajectory["names"])
         # The one reset (Adam's state emptied after DRIFT_STEPS), marked on both panels.
         assert trajectory["shapes"] == [DRIFT_STEPS + 1] * 2
         assert abs(trajectory["last"] - trajectory["first"]) > 0.3  # it really drifted
@@ -224,6 +225,30 @@ def test_filters_change_the_table_and_links_lead_to_evidence(browser_context, re
         row.locator("a", has_text="DW402").click()
         assert page.evaluate("location.hash") == "#rule-DW402"
         assert "checkpoint-layer-outlier" in page.inner_text("#rule-DW402")
+        assert opened.errors == []
+    finally:
+        page.close()
+
+
+def test_loss_curve_with_the_plateau_and_the_missing_loss_note(browser_context, report_page):
+    opened = open_offline(browser_context, report_page)
+    page = opened.page
+    try:
+        curves = page.evaluate(
+            """() => Array.from(document.querySelectorAll('div.js-plotly-plot'))
+                 .filter(gd => gd.id.endsWith('-loss'))
+                 .map(gd => ({id: gd.id, traces: gd.data.map(t => ({name: t.name, n: t.y.length})),
+                              shapes: (gd.layout.shapes || []).length,
+                              drawn: gd.querySelectorAll('path.js-line').length}))"""
+        )
+        (curve,) = curves  # the fused log has the loss, the drift log does not
+        assert curve["id"] == "s1-loss"
+        names = {t["name"]: t["n"] for t in curve["traces"]}
+        assert names["loss"] == 1000
+        assert any(n.startswith("plateau from step") for n in names)
+        assert curve["shapes"] == 1 and curve["drawn"] >= 3  # shaded, three lines drawn
+        note = page.locator('#s0 [data-note="no-loss"]')
+        assert note.count() == 1 and note.is_visible()
         assert opened.errors == []
     finally:
         page.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import html
 import itertools
+import json
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -29,7 +30,8 @@ from deadweight.findings import Finding, Severity
 from deadweight.probes.event_log import LOG_SCHEMA_VERSION
 from deadweight.probes.watch_stats import WatchStats
 from deadweight.registry import get_rule
-from deadweight.report import SCHEMA_VERSION, Report
+from deadweight.report import SCHEMA_VERSION, Report, loss_curve
+from deadweight.rules._wording import name_list
 
 # 2000 points per trace: a 1000-pixel-wide plot shows no more, and 60 such plots
 # stay well under a second of plotly layout in the browser.
@@ -38,6 +40,9 @@ MAX_POINTS = 2000
 # that flags hundreds of parameters (a frozen model) would otherwise make the page slow.
 MAX_TRAJECTORIES = 60
 MAX_BARS = 400  # bars in one effective-bits chart (the lowest first)
+# A finding's evidence shown in the table: a few screens of JSON; per-layer values of a
+# 400-layer model would otherwise fill the page (the plots hold those).
+MAX_EVIDENCE_CHARS = 4000
 MISSING_EXTRA = "the HTML report needs plotly: pip install 'deadweight[html]'"
 
 _SEVERITY_COLOUR = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
@@ -150,6 +155,13 @@ def _subject_line(section: Section) -> str:
             parts.append("no end record (killed or still running)")
     elif "parameters" in s:
         parts.append(f"{s['parameters']} parameters")
+    if section.report.kind == "check":
+        for key, label in (("model", "model"), ("optimizer", "optimizer"), ("loss", "loss")):
+            value = s.get(key)
+            if isinstance(value, float):
+                parts.append(f"{label} {value:.4g}")
+            elif value is not None:
+                parts.append(f"{label} {value}")
     if s.get("checkpoints"):
         parts.append(", ".join(map(str, s["checkpoints"])))
     if section.report.kind == "diff":
@@ -164,7 +176,12 @@ def _finding_row(finding: Finding, label: str, anchor: str | None) -> str:
     params = ", ".join(finding.params[:6]) + (
         f" … {len(finding.params) - 6} more" if len(finding.params) > 6 else ""
     )
-    evidence = f'<a href="#{anchor}">plot</a>' if anchor else "—"
+    evidence = f'<a href="#{anchor}">plot</a>' if anchor else ""
+    if finding.evidence:
+        evidence += (
+            f"<details><summary>data</summary><pre>{_evidence_text(finding)}</pre></details>"
+        )
+    evidence = evidence or "—"
     code = html.escape(finding.code)  # a saved report is text from elsewhere
     return (
         f'<tr data-severity="{sev}" data-code="{code}">'
@@ -173,6 +190,14 @@ def _finding_row(finding: Finding, label: str, anchor: str | None) -> str:
         f"<td>{html.escape(finding.message)}</td><td>{html.escape(params)}</td>"
         f"<td>{html.escape(label)}</td><td>{evidence}</td></tr>"
     )
+
+
+def _evidence_text(finding: Finding) -> str:
+    """A finding's evidence as escaped JSON, cut at `MAX_EVIDENCE_CHARS`."""
+    text = json.dumps(finding.evidence, indent=1, default=str, allow_nan=True)
+    if len(text) > MAX_EVIDENCE_CHARS:
+        text = text[:MAX_EVIDENCE_CHARS] + f"\n… ({len(text) - MAX_EVIDENCE_CHARS} more characters)"
+    return html.escape(text)
 
 
 def _findings_table(rows: list[str], codes: set[str]) -> str:
@@ -270,6 +295,7 @@ class _Page:
             parts.extend(self._diff(prefix, section.report, plots))
         if kind == "trend":
             parts.extend(self._trend(prefix, section.report, plots))
+        parts.extend(self._per_parameter(prefix, section.report, plots))
         if not parts:
             parts.append("<p>No per-step or per-tensor data in this input to plot.</p>")
         title = f"{html.escape(section.label)} ({html.escape(kind)})"
@@ -283,11 +309,8 @@ class _Page:
     def _watch(self, prefix: str, section: Section, plots: _Plots) -> list[str]:
         stats = section.stats
         assert stats is not None
-        out: list[str] = [
-            '<p class="note">The watch log records parameter statistics, not the loss: '
-            "there is no loss curve to draw for this run.</p>"
-        ]
         findings = section.report.findings
+        out: list[str] = [self._loss(prefix, stats, findings, plots)]
         flagged_names: list[str] = []
         for finding in findings:
             for name in finding.params:
@@ -321,6 +344,80 @@ class _Page:
                 f"{' …' if len(rest) > 50 else ''}</p>"
             )
         return out
+
+    def _loss(
+        self, prefix: str, stats: WatchStats, findings: Sequence[Finding], plots: _Plots
+    ) -> str:
+        """The loss per step; the plateau marked when parameters never moved (DW301)."""
+        if not stats.loss_recorded:
+            return (
+                '<p class="note" data-note="no-loss">The loss was not recorded in this run '
+                "(the loop did not call <code>Watch.log_loss</code>, or the log was written "
+                "before deadweight recorded it): there is no loss curve to draw.</p>"
+            )
+        curve = loss_curve.per_step(stats.loss_steps, stats.loss_values)
+        notes = []
+        if curve.averaged_steps:
+            notes.append(
+                f"{curve.averaged_steps} steps have several losses (gradient accumulation, "
+                "or several backward calls per step): their mean is drawn."
+            )
+        if curve.nonfinite:
+            notes.append(f"{curve.nonfinite} loss values were NaN or infinite and are left out.")
+        if not len(curve.steps):
+            return "".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)
+        never_moved = [f for f in findings if f.code == "DW301"]
+        plateau = loss_curve.find_plateau(curve) if never_moved else None
+        reset_steps = sorted({r.step for r in stats.resets})
+        keep = set(reset_steps) | ({plateau.start_step} if plateau else set())
+        x, y = curve.steps, curve.values
+        idx = downsample(y, x, keep)
+        go = self.go
+        figure = go.Figure()
+        figure.add_trace(
+            go.Scatter(x=x[idx], y=_json_floats(y[idx]), name="loss", mode="lines",
+                       line={"color": "#90a4ae"})
+        )  # fmt: skip
+        window = loss_curve.smoothing_window(len(y))
+        if window > 1:
+            smoothed = loss_curve.smooth(y, window)
+            figure.add_trace(
+                go.Scatter(x=x[idx], y=_json_floats(smoothed[idx]), mode="lines",
+                           name=f"smoothed ({window} steps)", line={"color": "#1565c0"})
+            )  # fmt: skip
+        title = "loss per step"
+        if plateau is not None:
+            names = [n for f in never_moved for n in f.params]
+            label = f"plateau from step {plateau.start_step} (DW301: {len(names)} never moved)"
+            figure.add_vrect(
+                x0=plateau.start_step, x1=plateau.end_step, fillcolor="#c62828",
+                opacity=0.08, line_width=0,
+            )  # fmt: skip
+            figure.add_trace(
+                go.Scatter(
+                    x=[plateau.start_step, plateau.end_step],
+                    y=[plateau.level, plateau.level],
+                    name=label,
+                    mode="lines+markers",
+                    line={"color": "#c62828", "dash": "dash"},
+                    hovertext=[f"final level {plateau.level:.4g} ± {plateau.tolerance:.2g}"] * 2,
+                )
+            )
+            title += f": {label}"
+            notes.append(
+                f"The loss stays within {plateau.tolerance:.3g} of its final level "
+                f"{plateau.level:.4g} from step {plateau.start_step} on, while "
+                f"{name_list(names)} never moved."
+            )
+        elif never_moved:
+            notes.append("Parameters never moved (DW301), yet the loss shows no plateau.")
+        for step in reset_steps:
+            figure.add_vline(x=step, line={"color": "#8e24aa", "dash": "dot"})
+        figure.update_xaxes(title="optimizer step")
+        div = f"{prefix}-loss"
+        return self.figure_html(figure, div, title) + "".join(
+            f'<p class="note">{html.escape(n)}</p>' for n in notes
+        )
 
     def _sibling_values(self, prefix: str, report: Report, plots: _Plots) -> list[str]:
         """Bars of the per-layer values a finding carries (DW307 of a watch, live or saved)."""
@@ -376,24 +473,43 @@ class _Page:
             col=1,
         )
         if drift is not None and len(steps):
-            rate = float(drift["drift_per_step"])
-            start = float(drift.get("first_value", primary[0]))
+            # DW302 measures the drift as a norm; a plotted element drifts 1/√numel of it.
+            per_norm = 1.0 if not has_values else 1.0 / math.sqrt(max(1, track.numel))
+            rate = float(drift["drift_per_step"]) * per_norm
+            first = drift.get("first_value")
+            start = float(first) if isinstance(first, (int, float)) else float(primary[0])
             sign = 1.0
             last = drift.get("last_value")
-            if isinstance(last, (int, float)) and last < start:
+            if not isinstance(last, (int, float)):
+                last = float(primary[-1])  # a plotted element of a larger parameter
+            if last < start:
                 sign = -1.0
             ends = np.array([steps[0], steps[-1]], dtype=np.float64)
             figure.add_trace(
                 go.Scatter(
                     x=ends,
                     y=start + sign * rate * (ends - ends[0]),
-                    name=f"steady drift {rate:.3g}/step (DW302)",
+                    name=f"measured drift {rate:.3g}/step (DW302)",
                     mode="lines",
                     line={"dash": "dash"},
                 ),
                 row=1,
                 col=1,
             )
+            predicted = predicted_drift(drift, 1 if has_values else track.numel)
+            if predicted is not None:
+                per_step, label = predicted
+                figure.add_trace(
+                    go.Scatter(
+                        x=ends,
+                        y=start + sign * per_step * (ends - ends[0]),
+                        name=label,
+                        mode="lines",
+                        line={"dash": "dot", "color": "#2e7d32"},
+                    ),
+                    row=1,
+                    col=1,
+                )
         measured = []
         for label, series in (("‖update‖", s.update_norm), ("grad RMS", s.grad_rms)):
             y = _floats(series)
@@ -437,6 +553,45 @@ class _Page:
                 col=1,
             )
         return self.figure_html(figure, div, name, height=480)
+
+    def _per_parameter(self, prefix: str, report: Report, plots: _Plots) -> list[str]:
+        """Bars of the gradient norms a finding measured per parameter (check's DW103 to
+        DW105 evidence: `params: {name: {grad_norm, param_norm, ...}}`), on a log axis."""
+        out = []
+        for k, finding in enumerate(report.findings):
+            per = finding.evidence.get("params")
+            if not isinstance(per, dict) or id(finding) in plots.by_finding:
+                continue
+            rows = [
+                (str(name), float(v["grad_norm"]), v.get("param_norm"))
+                for name, v in per.items()
+                if isinstance(v, dict)
+                and isinstance(v.get("grad_norm"), (int, float))
+                and math.isfinite(v["grad_norm"])
+            ][:MAX_BARS]
+            if not rows:
+                continue
+            div = f"{prefix}-f{k}-grads"
+            # A log axis drops zeros (an exactly-zero gradient, DW103): linear then.
+            log_axis = all(g > 0 for _, g, _ in rows)
+            figure = self.go.Figure(
+                self.go.Bar(
+                    y=[n for n, _, _ in rows],
+                    x=[g for _, g, _ in rows],
+                    orientation="h",
+                    marker={"color": _SEVERITY_COLOUR[finding.severity.value]},
+                    text=[f"{g:.2g}" for _, g, _ in rows],
+                    textposition="outside",
+                    hovertext=[f"‖θ‖ {pn}" for _, _, pn in rows],
+                    name="‖grad‖",
+                )
+            )
+            figure.update_yaxes(autorange="reversed", automargin=True)
+            figure.update_xaxes(title="gradient norm", type="log" if log_axis else "linear")
+            title = f"{finding.code} {finding.name}: gradient norm per parameter"
+            out.append(self.figure_html(figure, div, title, height=_bar_height(len(rows))))
+            plots.by_finding[id(finding)] = div
+        return out
 
     def _layer_bars(self, div: str, title: str, values: dict[str, Any], flagged: set[str]) -> str:
         names = sorted(values, key=_natural)
@@ -558,6 +713,30 @@ class _Page:
         for f in report.findings:
             plots.by_finding[id(f)] = div
         return out
+
+
+def predicted_drift(evidence: dict[str, Any], numel: int) -> tuple[float, str] | None:
+    """The drift per step that DW302's evidence predicts for a noise-driven parameter,
+    and its legend label; None when the evidence lacks a number.
+
+    Adam on a gradient that is only noise takes steps of a fixed size whatever the
+    gradient's size (about lr; `mean_update_lr` measures it, in units of lr), and with
+    a share p of its steps the same way it nets (2p − 1) of a step each step: after
+    t steps, t · mean_update_lr · lr · (2p − 1) per element, √numel times that in norm
+    (`numel`: 1 for the value of one element).
+    A measured drift on this line is the noise-driven walk DW302 says it is.
+    """
+    lr, update, p = (evidence.get(k) for k in ("mean_lr", "mean_update_lr", "same_sign_fraction"))
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lr, update, p)):
+        return None
+    assert isinstance(lr, (int, float)) and isinstance(update, (int, float))
+    assert isinstance(p, (int, float))
+    per_step = update * lr * (2 * p - 1) * math.sqrt(max(1, numel))
+    label = (
+        f"predicted {per_step:.3g}/step: Adam on noise, steps of {update:.2g} lr, "
+        f"{p:.0%} the same way"
+    )
+    return per_step, label
 
 
 def downsample(y: np.ndarray, steps: np.ndarray, keep_steps: Iterable[int] = ()) -> np.ndarray:
