@@ -10,10 +10,13 @@
  * FLUSH elements. A flush whose sums are not finite (NaN/Inf in the data, or squares beyond
  * float range) is done again element by element in double, counting the non-finite values.
  *
- * The group kernel also finds, for every quantization group of a symmetric scheme, its two
- * largest magnitudes (the range and the range without its most extreme element) and, from a
- * second pass over the group while it is in L1, how many non-zero elements round to zero.
- * The definitions are those of deadweight/probes/quantization.py, element for element.
+ * The group kernel also measures every quantization group of a symmetric scheme: its largest
+ * magnitude (the range) in the same pass, then, from a second pass over the group while it is
+ * still in L1, how many non-zero elements round to zero on that range's grid and whether the
+ * largest stands alone (then the range without it is the second largest). The definitions are
+ * those of deadweight/probes/quantization.py, element for element. Groups go in batches: the
+ * grids of a batch are computed together in vectors while the previous batch's second pass
+ * runs, and counts come from compare masks as scalars, so a group needs no horizontal sum.
  */
 #include <math.h>
 #include <stdint.h>
