@@ -198,3 +198,40 @@ def test_forwards_to_a_run_of_your_own() -> None:
     assert [row["deadweight/step"] for row in rows] == [1, 10, 20, 20]
     assert "deadweight/value/scale" in rows[0]
     assert rows[-1]["deadweight/findings/error"] == 0.0
+
+
+class Recording(Tiny):
+    """Tiny, keeping each training step's loss as a number (the slow reference)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_loss_of_each_batch_is_recorded_at_its_step(accumulate: int) -> None:
+    module = Recording()
+    dw = DeadweightCallback(every=10)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=8
+    )
+    pl.Trainer(
+        max_steps=12,
+        accelerator="cpu",
+        logger=False,
+        accumulate_grad_batches=accumulate,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[dw],
+    ).fit(module, data)
+    assert dw.watch is not None
+    stats = dw.watch.stats
+    # Every micro-batch's loss, undivided by the accumulation, at the step it fed.
+    assert stats.loss_steps == [s for s in range(1, 13) for _ in range(accumulate)]
+    assert stats.loss_values == pytest.approx(module.losses, rel=1e-6)

@@ -179,3 +179,15 @@ def test_next_train_closes_a_stale_watch(tmp_path: Path) -> None:
 def test_forward_must_be_a_known_choice() -> None:
     with pytest.raises(ValueError, match="forward must be one of"):
         DeadweightCallback(forward="mlflow")
+
+
+def test_the_trainers_logged_loss_is_recorded(tmp_path: Path) -> None:
+    dw = DeadweightCallback(every=10)
+    t = trainer(tmp_path, gpt2(), [dw])  # logging_steps=10
+    t.train()
+    assert dw.watch is not None
+    logged = [(e["step"], e["loss"]) for e in t.state.log_history if "loss" in e]
+    assert [s for s, _ in logged] == [10, 20, 30, 40, 50, 60]
+    stats = dw.watch.stats
+    assert stats.loss_steps == [s for s, _ in logged]
+    assert stats.loss_values == pytest.approx([v for _, v in logged], rel=1e-6)

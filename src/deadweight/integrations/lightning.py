@@ -9,7 +9,9 @@ the Trainer's optimizers for the length of `fit()`.
 
 The watch starts in `on_train_start` and closes in `on_train_end` or, when `fit()`
 raises or is interrupted, in `on_exception`: no hook outlives the run. Works with the
-`lightning` package and, when only that is installed, with `pytorch_lightning`.
+`lightning` package and, when only that is installed, with `pytorch_lightning`. Each
+batch's training loss is recorded (on the device, read back at watched steps) for the
+loss curve of `deadweight report -o`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import logging
 import os
 from types import ModuleType
 from typing import Any
+
+import torch
 
 from deadweight.integrations._session import WatchSession, checked_forward, torch_optimizer
 from deadweight.integrations.forward import MAX_PARAMS
@@ -72,6 +76,7 @@ class DeadweightCallback(pl.Callback):  # type: ignore[name-defined]
         self._session = WatchSession(
             logger, every=every, log=log, full=full, max_forwarded=max_forwarded
         )
+        self._batch_start_step = 0  # trainer.global_step when the batch began
 
     @property
     def watch(self) -> Watch | None:
@@ -106,6 +111,29 @@ class DeadweightCallback(pl.Callback):  # type: ignore[name-defined]
         )
         if started is None:
             self.close()
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_start_step = int(trainer.global_step)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """The batch's loss, for the report's loss curve (on the device: no sync)."""
+        w = self._session.watch
+        if w is None or not self._session.open:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, torch.Tensor):
+            return  # a skipped batch, or manual optimization that returned no loss
+        if pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
+            # Lightning hands over the loss divided by the accumulation: undo it.
+            loss = loss * trainer.accumulate_grad_batches
+        # The batch that ended with an optimizer step belongs to it, the others to the
+        # coming one.
+        stepped = int(trainer.global_step) > self._batch_start_step
+        w.log_loss(loss, step=w.steps_taken if stepped else w.steps_taken + 1)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.close()

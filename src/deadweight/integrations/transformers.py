@@ -9,7 +9,8 @@ and optimizer for the length of `train()`.
         trainer.train()
     dw.report                   # a deadweight.Report; also logged through `logging`
 
-The Trainer calls `on_train_end` only when training succeeds. If `train()` raises
+The loss the Trainer logs (every `logging_steps`) is recorded too, for the loss curve
+of `deadweight report -o`. The Trainer calls `on_train_end` only when training succeeds. If `train()` raises
 outside a `with dw:` block the optimizer hooks stay until `dw.close()` (safe to call
 any number of times, as is `dw.watch.close()`) or the next `train()` on this
 callback, which closes the stale watch first.
@@ -103,6 +104,21 @@ class DeadweightCallback(TrainerCallback):
         # some distributed set-ups) have it by the first step.
         if self._pending:
             self._start(args, state, kwargs, _calling_handler())
+
+    def on_log(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """The training loss the Trainer logs (already a number, averaged over the
+        `logging_steps` since its last log), for the report's loss curve."""
+        w = self._session.watch
+        loss = (logs or {}).get("loss")
+        if w is not None and self._session.open and isinstance(loss, (int, float)):
+            w.log_loss(float(loss), step=w.steps_taken)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()
