@@ -72,12 +72,16 @@ def test_watch_on_fsdp2_reports_the_drifting_scalar_as_in_one_process(
     assert ev["same_sign_fraction"] >= 0.6 and ev["grad_ratio"] < 1e-3
     assert abs(ev["last_value"] - ev["first_value"]) > 0.1
     # whole-parameter numbers from the shards, against the whole tensors
+    large = [n for n, m in results[0]["measured"].items() if m["drift"] is None]
+    assert any(results[0]["measured"][n]["update_norm"] is not None for n in large)
     for name, ref in ref_numbers(results[0]).items():
         got = results[0]["measured"][name]
         assert got["param_norm"] == pytest.approx(ref["param_norm"], rel=1e-5), name
         assert got["grad_rms"] == pytest.approx(ref["grad_rms"], rel=1e-5), name
         if ref["value"] is not None:  # tiny parameters, put back together in rank order
             assert got["value"] == pytest.approx(ref["value"], rel=1e-6), name
+        if got["update_norm"] is not None:  # the last step's update (copied or small)
+            assert got["update_norm"] == pytest.approx(ref["update_norm"], rel=1e-4), name
         if got["drift"] is not None:  # one norm of the whole change: exact
             assert got["drift"] == pytest.approx(ref["drift"], rel=1e-5), name
     # the combining traffic: a few float64 per parameter tensor and rank per watched step

@@ -99,6 +99,8 @@ def drift_watch(rank: int, world: int, log: str | None = None) -> dict[str, Any]
             if step > DRIFT_STEPS - 20:
                 for n, p in model.named_parameters():
                     window_gsq[n] += float(_full(p.grad).double().norm() ** 2)
+            if step == DRIFT_STEPS:
+                before_last = {n: _full(p).double() for n, p in model.named_parameters()}
             opt.step()
     out = _summary(w.report())
     tracks = w.stats.params
@@ -108,6 +110,7 @@ def drift_watch(rank: int, world: int, log: str | None = None) -> dict[str, Any]
             "grad_rms": t.series.grad_rms[-1],
             "value": t.series.value[-1] if t.series.value else None,
             "drift": t.small_stats.drift if t.small_stats else None,
+            "update_norm": t.series.update_norm[-1],
         }
         for n, t in tracks.items()
     }
@@ -117,6 +120,7 @@ def drift_watch(rank: int, world: int, log: str | None = None) -> dict[str, Any]
             "grad_rms": (window_gsq[n] / 20) ** 0.5,
             "value": _full(p).reshape(-1).tolist() if p.numel() <= 16 else None,
             "drift": float((_full(p) - start[n]).double().norm()),
+            "update_norm": float((_full(p).double() - before_last[n]).norm()),
         }
         for n, p in model.named_parameters()
     }

@@ -19,6 +19,10 @@ Two cadences:
 
 Each detector runs under a guard: an exception disables that detector, is reported
 as an `error` event, and never reaches the training loop.
+
+Under FSDP2 (DTensor parameters) everything above is measured on the rank's local
+slices, and the watched step's record combines the ranks' slices in one collective
+(`_ShardRecord`); nothing else talks to the other ranks.
 """
 
 from __future__ import annotations
@@ -432,7 +436,11 @@ class _ShardRecord:
         gsq, bad, pnorm, same, unorm = parts[:5]
         path, rpos, rneg, sens, gsum, zero_upd, drift, last_un = parts[5:]
         values = local[sum(cut) :]
-        w_copied = w[self.copied] if c else torch.zeros(0, dtype=torch.float64)
+        # Update norms in a slot per parameter: the row's layout then never depends on
+        # what this rank copied, so the ranks' rows always line up.
+        u2 = torch.zeros(n, dtype=torch.float64)
+        if c:
+            u2[self.copied] = unorm**2 * w[self.copied]
         holders = torch.tensor([float(_loc(b.params[i]).numel() > 0) for i in b.small])
         counts = [_loc(b.params[i]).numel() for i in tiny]
         slots = torch.zeros(sum(b.params[i].numel() for i in tiny), dtype=torch.float64)
@@ -443,7 +451,7 @@ class _ShardRecord:
             cursor += k
         row = torch.cat(
             [
-                gsq * w, torch.where(bad >= 0, bad, math.inf), pnorm**2 * w, same, unorm**2 * w_copied,
+                gsq * w, torch.where(bad >= 0, bad, math.inf), pnorm**2 * w, same, u2,
                 path**2 * w_small, rpos, rneg, sens * w_small, gsum**2 * w_small, zero_upd,
                 drift**2 * w_small, last_un**2 * w_small, holders,
                 torch.tensor(counts, dtype=torch.float64), slots,
@@ -454,6 +462,7 @@ class _ShardRecord:
         if ranks is not None:
             table = distributed.all_reduce(ranks, table, "sum", "watch: sharded statistics")
         b.shard_bytes += table.numel() * table.element_size()
+        cut[4] = n
         cols = list(table[:, : sum(cut) + ns + len(tiny)].split([*cut, ns, len(tiny)], dim=1))
         t_gsq, t_bad, t_pn, t_same, t_un = cols[:5]
         t_path, t_rpos, t_rneg, t_sens, t_gsum, t_zero, t_drift, t_last, t_hold, t_counts = cols[5:]
@@ -461,7 +470,7 @@ class _ShardRecord:
         first_bad = t_bad.min(0).values
         out = [
             t_gsq.sum(0), torch.where(torch.isinf(first_bad), -1.0, first_bad),
-            t_pn.sum(0).sqrt(), t_same.min(0).values, t_un.sum(0).sqrt(),
+            t_pn.sum(0).sqrt(), t_same.min(0).values, t_un.sum(0).sqrt()[self.copied],
             t_path.sum(0).sqrt(), t_rpos.sum(0) / held, t_rneg.sum(0) / held, t_sens.sum(0),
             t_gsum.sum(0).sqrt(), t_zero.sum(0) / held, t_drift.sum(0).sqrt(), t_last.sum(0).sqrt(),
         ]  # fmt: skip
