@@ -5,7 +5,9 @@ steps recorded every 20 steps (the `deadweight run` default), 500 watched parame
 (450 matrices, 50 single-element layer scalars whose values are logged). Some of it is
 wrong on purpose, so the report has something to show: 40 matrices never get a
 gradient, one layer scalar drifts steadily on a gradient of pure noise, and the
-optimizer's state is emptied at step 50,000.
+optimizer's state is emptied at step 50,000. The loss of every step is logged (as
+`Watch.log_loss` writes it, one `loss` event per record): a noisy fall over the first
+30% of the run, then a plateau, which the report marks since parameters never moved.
 
 The report is built with `deadweight report LOG -o report.html` in-process (timed),
 then opened in headless Chromium (Debian's package, driven by playwright), every
@@ -84,7 +86,14 @@ def write_log(path: Path, steps: int, params: int, seed: int = 0) -> int:
         last = 0
         for step in records:
             span = step - last
+            loss_steps = np.arange(last + 1, step + 1)
             last = step
+            # The loss: from 4 down to 2 over the first 30% of the steps, then flat;
+            # 3% minibatch noise.
+            level = 2.0 + 2.0 * np.clip(1.0 - loss_steps / (0.3 * steps), 0.0, None)
+            loss = level * (1.0 + 0.03 * rng.standard_normal(len(loss_steps)))
+            put({"event": "loss", "steps": loss_steps.tolist(),
+                 "values": [float(f"{v:.7g}") for v in loss]})  # fmt: skip
             # Siblings: random-signed updates of about lr on a real gradient; the drifting
             # scalar: 0.3 lr per step, one way, on a gradient of 1e-9.
             moves = rng.standard_normal(SCALARS) * LR * math.sqrt(span) * 0.3
@@ -181,6 +190,7 @@ def main() -> None:
         text = out.read_text()
         plots = text.count('class="plot"')
         rows = text.count("<tr data-severity=")
+        assert "plateau from step" in text  # the loss curve, with the plateau marked
         print(f"log: {records} step records x {args.params} parameters, "
               f"{log.stat().st_size / 1e6:.1f} MB, written in {t1 - t0:.1f} s")  # fmt: skip
         print(f"report: {out.stat().st_size / 1e6:.2f} MB, {plots} plots, {rows} findings, "
