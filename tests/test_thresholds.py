@@ -97,3 +97,30 @@ def test_noise_floor_ulps_reaches_check() -> None:
     assert not deadweight.check(model, loss_fn).by_code("DW103")
     flagged = deadweight.check(model, loss_fn, thresholds={"noise-floor-ulps": 1e12})
     assert flagged.by_code("DW103")
+
+
+def test_watch_reads_the_configuration_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "deadweight.toml").write_text(
+        'ignore = ["DW305"]\n[thresholds]\nnever-moved-steps = 20\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    setup = fused_rmsnorm.make(diff=False)
+    with deadweight.watch(setup.model, setup.optimizer, config=True) as w:
+        fused_rmsnorm.train(setup, 30)
+    assert w.report().by_code("DW301")  # the configured 20 steps, not the default 50
+    assert not w.report(ignore="DW301").by_code("DW301")  # ignore adds to the configured
+    assert w.settings.ignore == ("DW305",)
+
+
+def test_inspect_checkpoints_takes_the_scheme_from_thresholds(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "m.safetensors")
+    save_file({"w": torch.randn(8, 8)}, path)
+    assert deadweight.inspect_checkpoints([path]).subject["scheme"] == DEFAULT_SCHEME
+    tuned = deadweight.inspect_checkpoints([path], thresholds={"quantization-scheme": "int8"})
+    assert tuned.subject["scheme"] == "int8"
+    assert deadweight.inspect_checkpoints([path], scheme="none").subject["scheme"] == "none"
