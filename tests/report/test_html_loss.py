@@ -267,3 +267,33 @@ def test_saved_check_shows_its_evidence(tmp_path):
     assert bars["y"] == [LAST]
     assert bars["x"] == [pytest.approx(dw104["evidence"]["params"][LAST]["grad_norm"])]
     assert "model ScalarStack" in text and "optimizer AdamW" in text
+
+
+# -- bad input, with the loss --------------------------------------------------------------------
+
+
+def test_a_log_cut_inside_a_loss_event_keeps_the_complete_ones(capsys, tmp_path):
+    lines = loss_log(tmp_path / "fused.jsonl", steps=200).read_text().splitlines(keepends=True)
+    last_loss = max(i for i, line in enumerate(lines) if '"event":"loss"' in line)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(lines[:last_loss]) + lines[last_loss][:40])  # killed mid-write
+    out = tmp_path / "r.html"
+    code, err = _report(capsys, str(cut), "-o", str(out))
+    assert code == 1, err
+    assert f"line {last_loss + 1} is cut off" in err
+    kept = [json.loads(line) for line in lines[:last_loss] if '"event":"loss"' in line]
+    x = figure(out.read_text(), "s0-loss")["data"][0]["x"]
+    assert x == [s for e in kept for s in e["steps"]]
+    assert "is cut off" in out.read_text()
+
+
+def test_logs_of_two_runs_are_shown_apart(capsys, tmp_path):
+    first = loss_log(tmp_path / "a.jsonl", steps=100)
+    second = loss_log(tmp_path / "b.jsonl", diff=True, steps=100)
+    out = tmp_path / "r.html"
+    code, err = _report(capsys, str(first), str(second), "-o", str(out))
+    assert code == 1, err
+    assert "the inputs come from 2 different runs" in err
+    text = out.read_text()
+    assert figure(text, "s0-loss")["data"][0]["y"] != figure(text, "s1-loss")["data"][0]["y"]
+    assert "nothing is merged" in text
