@@ -255,23 +255,3 @@ def test_memory_stays_bounded_by_max_bytes(tmp_path: Path, dtype: torch.dtype) -
         tracemalloc.stop()
     assert peak < 1 << 20, f"peak {peak} bytes for 64 KB chunks"
     assert total == pytest.approx(float(load_file(path)["w"].double().sum()), rel=1e-6)
-
-
-@pytest.mark.parametrize("advice", ["kernel default", "refused"])
-def test_raw_windows_are_the_stored_bytes_whether_pages_are_populated_or_not(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, advice: str
-) -> None:
-    from deadweight.readers import safetensors_file
-
-    if advice == "refused":  # a kernel without MADV_POPULATE_READ answers EINVAL
-        monkeypatch.setattr(safetensors_file, "_POPULATE", 0x7FFF)
-    t = torch.randn(5000, dtype=torch.float32)
-    path = tmp_path / "w.safetensors"
-    save_file({"w": t}, str(path))
-    with open_checkpoint(str(path)) as ckpt:
-        (entry,) = ckpt.entries()
-        chunks = [c.copy() for c in ckpt.raw_chunks(entry, 1024)]
-    assert [c.size for c in chunks] == [1024] * 4 + [904]
-    np.testing.assert_array_equal(np.concatenate(chunks), t.numpy())
-    if advice == "refused":
-        assert safetensors_file._POPULATE is None  # asked once, then not again
