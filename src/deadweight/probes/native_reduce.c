@@ -891,6 +891,11 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                     col = 0;                                                                \
                     row++;                                                                  \
                 }                                                                           \
+                /* the data 8 KB ahead, line by line: the hardware prefetchers stop at each \
+                 * 4 KB page and a page cache map has no larger pages (measured here: bf16    \
+                 * 4.6 -> 5.7 GB/s, fp32 7.6 -> 8.1 on two threads; 4 KB and 16 KB less) */  \
+                for (int64_t b = 0; b < len * (int64_t)sizeof(SRC); b += 64)                 \
+                    __builtin_prefetch((const char *)p + b + 8192);                         \
                 V glo = (V){} + (VAL)INFINITY, ghi = (V){} - (VAL)INFINITY;                 \
                 V glo2 = glo, ghi2 = ghi;                                                   \
                 VAL u1 = 0;                                                                 \

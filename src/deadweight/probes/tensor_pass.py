@@ -14,10 +14,11 @@ which gives the same results.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -182,7 +183,10 @@ def scan_tensor(
         jobs = []
         for lo, hi in _pieces(data.size - tail, threads, unit):
             before = data[lo - 1 : lo] if lo else (None if previous is None else previous)
-            jobs.append((kernels, kind, data[lo:hi], plan, shift, first_block, lo, joint, before))
+            release = functools.partial(ckpt.release, entry)
+            jobs.append(
+                (kernels, kind, data[lo:hi], plan, shift, first_block, lo, joint, before, release)
+            )
         if pool is None or len(jobs) == 1:
             results = [_reduce(*job) for job in jobs]
         else:
@@ -192,7 +196,9 @@ def scan_tensor(
             short = GroupPlan(tail, tail, plan.qmax, joint=False)
             body = data.size - tail
             block = first_block + body // unit
-            results.append(_reduce(kernels, kind, data[body:], short, shift, block, 0, False, None))
+            results.append(
+                _reduce(kernels, kind, data[body:], short, shift, block, 0, False, None, None)
+            )
         old, old_behind = groups.worst_block, behind.worst_block
         for m, g, gj in results:
             moments.merge(m)
@@ -276,8 +282,10 @@ def _reduce(
     offset: int,
     joint: bool,
     before: np.ndarray | None,
+    release: Callable[[np.ndarray], None] | None,
 ) -> tuple[Moments, Groups, Groups]:
-    """One thread's piece of a chunk: `offset` elements into the chunk, whole rows."""
+    """One thread's piece of a chunk: `offset` elements into the chunk, whole rows; its
+    pages are handed back (`release`) by the thread that read them."""
     m, g, gj = Moments.empty(), Groups.empty(), Groups.empty()
     if plan is None:
         kernels.moments(kind, data, shift, m)
@@ -287,6 +295,8 @@ def _reduce(
             kind, data, plan.cols, plan.group, plan.qmax, first, shift, m, g,
             before if joint else None, gj if joint else None,
         )  # fmt: skip
+    if release is not None:
+        release(data)
     return m, g, gj
 
 

@@ -96,6 +96,8 @@ class Checkpoint(Protocol):
 
     def raw_chunks(self, entry: TensorEntry, max_elements: int) -> Iterator[np.ndarray]: ...
 
+    def release(self, entry: TensorEntry, window: np.ndarray) -> None: ...
+
     def array(self, entry: TensorEntry) -> np.ndarray: ...
 
     def close(self) -> None: ...
@@ -136,6 +138,12 @@ class ReaderBase:
         bf16 as uint16 bits, fp8 as uint8 bits, the rest in their own numpy dtype. Readers
         that convert anyway yield their converted chunks."""
         return self.chunks(entry, max_elements * output_dtype(entry.dtype).itemsize)
+
+    def release(self, entry: TensorEntry, window: np.ndarray) -> None:
+        """The caller is done with `window`, a piece of a raw chunk of `entry`: a reader
+        that maps the file may drop its pages from the process now (from the thread that
+        used it) rather than when the next chunk is asked for. Safe to call from several
+        threads at once, and with any array (one that is not a view of the map is left)."""
 
     def array(self, entry: TensorEntry) -> np.ndarray:
         return assemble(entry, self.chunks(entry))

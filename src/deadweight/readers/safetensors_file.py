@@ -210,6 +210,7 @@ class SafetensorsFile(ReaderBase):
         try:
             self._fh = open(path, "rb", buffering=0)  # noqa: SIM115 -- closed by close()
             self._mm: mmap.mmap | None = None
+            self._base = 0  # the map's address
         except OSError as exc:
             raise CheckpointError(path, f"cannot open ({exc.strerror})") from None
         try:
@@ -272,9 +273,26 @@ class SafetensorsFile(ReaderBase):
             position = end
             remaining -= n
 
+    def release(self, entry: TensorEntry, window: np.ndarray) -> None:
+        # Only the pages wholly inside the window: its neighbours may still be read by
+        # another thread. raw_chunks drops the rest of the chunk when it moves on. Dropping
+        # here, in parallel, took 15% of a two-thread scan off the main thread.
+        mapped, base = self._mm, self._base
+        if mapped is None or not hasattr(mapped, "madvise") or not window.nbytes:
+            return
+        start = window.ctypes.data - base
+        end = start + window.nbytes
+        if start < 0 or end > len(mapped):
+            return  # not a view of this map (a converted copy)
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
+
     def _mapping(self) -> mmap.mmap:
         if self._mm is None:
             self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+            self._base = np.frombuffer(self._mm, dtype=np.uint8, count=1).ctypes.data
         return self._mm
 
     def close(self) -> None:
