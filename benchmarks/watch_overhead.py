@@ -87,7 +87,16 @@ def wandb_variant(log_freq: int) -> Callable[[Any, Any], Any] | None:
     if not _WANDB_RUN:  # one offline run for every wandb variant
         os.environ.setdefault("WANDB_SILENT", "true")
         directory = tempfile.mkdtemp(prefix="dw-bench-wandb-")
-        _WANDB_RUN.append(wandb.init(mode="offline", dir=directory, project="deadweight-bench"))
+        # console="off": wandb would otherwise capture stdout, and this script's figures
+        # went into its run log instead of the terminal when run as a background job
+        _WANDB_RUN.append(
+            wandb.init(
+                mode="offline",
+                dir=directory,
+                project="deadweight-bench",
+                settings=wandb.Settings(console="off"),
+            )
+        )
 
     @contextlib.contextmanager
     def variant(model: Any, opt: Any) -> Iterator[None]:
