@@ -110,39 +110,8 @@ typedef int32_t vi4 __attribute__((vector_size(16)));
 typedef double vd2 __attribute__((vector_size(16)));
 typedef int64_t vl2 __attribute__((vector_size(16)));
 
-static inline float hmax_vf(vf v) {
-#if defined(__AVX512F__)
-    return _mm512_reduce_max_ps((__m512)v);
-#else
-    const char *p = (const char *)&v;
-    vf4 m;
-    memcpy(&m, p, 16);
-    for (int o = 16; o < VBYTES; o += 16) {
-        vf4 x;
-        memcpy(&x, p + o, 16);
-        vi4 bigger = (vi4)(x > m);
-        m = (vf4)(((vi4)x & bigger) | ((vi4)m & ~bigger));
-    }
-    float r = m[0];
-    for (int j = 1; j < 4; j++) r = m[j] > r ? m[j] : r;
-    return r;
-#endif
-}
-
-static inline double hmax_vd(vd v) {
-    const char *p = (const char *)&v;
-    vd2 m;
-    memcpy(&m, p, 16);
-    for (int o = 16; o < VBYTES; o += 16) {
-        vd2 x;
-        memcpy(&x, p + o, 16);
-        vl2 bigger = (vl2)(x > m);
-        m = (vd2)(((vl2)x & bigger) | ((vl2)m & ~bigger));
-    }
-    return m[1] > m[0] ? m[1] : m[0];
-}
-/* A vector folded by maximum into its first 16 bytes (no further: the last lanes of a batch
- * of groups are folded together in grids_*, across the batch). */
+/* A vector folded by maximum into its first 16 bytes (the groups kernel stops there: the
+ * last lanes of a batch of groups are folded together in tops_*, across the batch). */
 static inline vf4 fold_max_vf(vf v) {
     const char *p = (const char *)&v;
     vf4 m;
@@ -166,6 +135,22 @@ static inline vd2 fold_max_vd(vd v) {
         m = (vd2)(((vl2)x & bigger) | ((vl2)m & ~bigger));
     }
     return m;
+}
+
+static inline float hmax_vf(vf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps((__m512)v);
+#else
+    const vf4 m = fold_max_vf(v);
+    float r = m[0];
+    for (int j = 1; j < 4; j++) r = m[j] > r ? m[j] : r;
+    return r;
+#endif
+}
+
+static inline double hmax_vd(vd v) {
+    const vd2 m = fold_max_vd(v);
+    return m[1] > m[0] ? m[1] : m[0];
 }
 
 static inline int64_t hsum_vfm(vfm v) {

@@ -166,6 +166,7 @@ def scan_tensor(
     previous: np.ndarray | None = None  # the last element of the previous chunk, raw
     shift: float | None = None
     done = 0
+    release = functools.partial(ckpt.release, entry)  # each thread drops its own pages
     for raw_chunk in ckpt.raw_chunks(entry, per_chunk):
         raw = raw_chunk.reshape(-1)
         prepared = _as_kernel_input(entry, raw)
@@ -183,7 +184,6 @@ def scan_tensor(
         jobs = []
         for lo, hi in _pieces(data.size - tail, threads, unit):
             before = data[lo - 1 : lo] if lo else (None if previous is None else previous)
-            release = functools.partial(ckpt.release, entry)
             jobs.append(
                 (kernels, kind, data[lo:hi], plan, shift, first_block, lo, joint, before, release)
             )
