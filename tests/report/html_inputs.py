@@ -79,6 +79,15 @@ def incident_checkpoints(directory: Path) -> list[str]:
     ]
 
 
+def checkpoint_reports(paths: list[str]) -> dict[str, Any]:
+    """What inspect, diff and trend say of the incident's saves, to be saved as JSON."""
+    return {
+        "inspect": deadweight.inspect_checkpoints([paths[-1]], scheme="int4"),
+        "diff": deadweight.diff_checkpoints(paths[0], paths[-1]),
+        "trend": deadweight.trend_checkpoints(paths),
+    }
+
+
 def dw(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "deadweight", *args],

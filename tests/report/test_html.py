@@ -16,7 +16,7 @@ import deadweight
 from deadweight.cli import main
 from deadweight.demos import fused_rmsnorm
 from deadweight.report import html as html_report
-from tests.report.html_inputs import LAST, dw, incident_checkpoints
+from tests.report.html_inputs import LAST, checkpoint_reports, dw, incident_checkpoints
 
 pytest.importorskip("plotly", reason="the HTML report needs deadweight[html]")
 
@@ -52,11 +52,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory, drift_jsonl: Path) -> dict[
     d = tmp_path_factory.mktemp("inputs")
     log = drift_jsonl
     paths = incident_checkpoints(d)
-    saved = {
-        "inspect": deadweight.inspect_checkpoints([paths[-1]], scheme="int4"),
-        "diff": deadweight.diff_checkpoints(paths[0], paths[-1]),
-        "trend": deadweight.trend_checkpoints(paths),
-    }
+    saved = checkpoint_reports(paths)
     out = {"log": log, "checkpoints": d}
     for kind, report in saved.items():
         out[kind] = d / f"{kind}.json"

@@ -14,9 +14,15 @@ from typing import Any
 
 import pytest
 
-import deadweight
 from deadweight.cli import main
-from tests.report.html_inputs import DRIFT_STEPS, LAST, VALUES, incident_checkpoints, loss_log
+from tests.report.html_inputs import (
+    DRIFT_STEPS,
+    LAST,
+    VALUES,
+    checkpoint_reports,
+    incident_checkpoints,
+    loss_log,
+)
 
 # The switches that keep Chromium from talking to anything on its own.
 CHROMIUM_ARGS = [
@@ -98,11 +104,7 @@ def report_page(tmp_path_factory: pytest.TempPathFactory, drift_jsonl: Path) -> 
     d = tmp_path_factory.mktemp("browser")
     log = drift_jsonl
     paths = incident_checkpoints(d)
-    saved = {
-        "inspect": deadweight.inspect_checkpoints([paths[-1]], scheme="int4"),
-        "diff": deadweight.diff_checkpoints(paths[0], paths[-1]),
-        "trend": deadweight.trend_checkpoints(paths),
-    }
+    saved = checkpoint_reports(paths)
     files = [str(log), str(loss_log(d / "fused.jsonl"))]
     for kind, report in saved.items():
         (d / f"{kind}.json").write_text(report.to_json())
