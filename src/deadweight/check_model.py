@@ -56,7 +56,11 @@ def check(
     together on all ranks as in training; the gradient statistics are summed over
     the ranks' local shards by one collective of a few numbers per parameter, so
     the report is that of the whole parameters and the whole batch. The functional
-    probes (which confirm a parameter the loss ignores) are skipped there.
+    probes (which confirm a parameter the loss ignores) run there too, on all ranks
+    together: each re-runs `loss_fn` on every rank with the sharded parameters
+    changed in place and compares the mean of the ranks' losses, so every rank runs
+    the same probes. A rank whose `loss_fn` raises in a probe makes that probe
+    impossible on every rank.
     """
     selection = Selection.of(select, ignore)
     ranks = distributed.ranks_for(model)

@@ -163,3 +163,89 @@ def watch_one_rank_missing(rank: int, world: int) -> dict[str, Any]:
         "trained": sorted(trained),
         "errors": rep.subject["detector_errors"],
     }
+
+
+def drift_check(rank: int, world: int, fail_on_call: int | None = None) -> dict[str, Any]:
+    """The second seed's model checked once at step 0: the scalar before the final
+    RMSNorm is confirmed invariant by the functional probes (DW104).
+
+    `fail_on_call`: rank 1's loss_fn raises on that call (1 is the checked run, 2 the
+    first probe), after the model's forward, so FSDP2's own collectives stay matched.
+    """
+    torch.manual_seed(0)
+    setup = layer_scalar_drift.make()
+    model = setup.model
+    _shard(model, world, list(model.blocks))
+    opt = torch.optim.AdamW(
+        layer_scalar_drift.shape_rule_groups(model),  # after fully_shard
+        lr=layer_scalar_drift.LR,
+        betas=layer_scalar_drift.BETAS,
+        eps=layer_scalar_drift.EPS,
+    )
+    x = _slice(setup.x[:GLOBAL_BATCH], rank, world)
+    y = _slice(setup.y[:GLOBAL_BATCH], rank, world)
+    calls = [0]
+
+    def loss_fn() -> torch.Tensor:
+        calls[0] += 1
+        loss = F.mse_loss(model(x), y)
+        if calls[0] == fail_on_call and rank == 1:
+            raise RuntimeError("rank 1's loss_fn fails in a probe")
+        return loss
+
+    before = {n: deadweight_local(p).clone() for n, p in model.named_parameters()}
+    report = deadweight.check(model, loss_fn, opt)
+    out = _summary(report)
+    out["calls"] = calls[0]
+    out["untouched"] = all(
+        torch.equal(before[n], deadweight_local(p)) for n, p in model.named_parameters()
+    )
+    # the probes leave no gathered copy behind: training's next forward sees the shards
+    with torch.no_grad():
+        out["next_loss"] = float(F.mse_loss(model(x), y))
+    return out
+
+
+class WeakBranch(nn.Module):
+    """Healthy, with a weak residual branch: its weight starts 1000x smaller than
+    usual, so its gradient screen makes it a probe candidate, yet the loss does
+    depend on it (scaling it 10x and 100x moves the loss by different amounts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.branch = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 4)
+        with torch.no_grad():
+            self.branch.weight.mul_(1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(h + self.branch(h))
+
+
+def healthy_check(rank: int, world: int) -> dict[str, Any]:
+    """No parameter the loss ignores; the weak branch is probed and found to matter.
+
+    `branch` is left in the root's FSDP2 group, which a forward under no_grad leaves
+    gathered: a probe that did not reshard it would re-use the x10 copy for the x100
+    point and call the branch invariant.
+    """
+    torch.manual_seed(0)
+    model = WeakBranch()
+    _shard(model, world, [model.inp, model.out])
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(GLOBAL_BATCH, 16, generator=gen)
+    y = torch.randn(GLOBAL_BATCH, 4, generator=gen)
+    x, y = _slice(x, rank, world), _slice(y, rank, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    calls = [0]
+
+    def loss_fn() -> torch.Tensor:
+        calls[0] += 1
+        return F.mse_loss(model(x), y)
+
+    report = deadweight.check(model, loss_fn, opt)
+    out = _summary(report)
+    out["calls"] = calls[0]
+    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -189,6 +190,23 @@ class Shards:
     def sum(self, t: torch.Tensor, what: str) -> torch.Tensor:
         return t if self.ranks is None else all_reduce(self.ranks, t, "sum", what)
 
+    def mean(self, value: float | None, what: str) -> float | None:
+        """The mean of the ranks' `value`s, or None on every rank when any rank has none.
+
+        One all-reduce of [value / world, failed]: a rank whose value is None or not
+        finite still enters it, so the others neither wait for it nor go on without
+        it, and every rank gets the same answer. The mean is formed as
+        `_sum_over_shards` forms the checked loss (value / world, summed in float64),
+        so an unchanged rerun reproduces that loss.
+        """
+        mine = value if value is not None and math.isfinite(value) else None
+        if self.ranks is None:
+            return mine
+        world = self.ranks.world_size
+        row = torch.tensor([0.0, 1.0] if mine is None else [mine / world, 0.0], dtype=torch.float64)
+        total = all_reduce(self.ranks, row, "sum", what).tolist()
+        return None if total[1] > 0 else float(total[0])
+
 
 def holds_dtensors(params: Sequence[torch.Tensor]) -> bool:
     return any(hasattr(p, "to_local") and hasattr(p, "placements") for p in params)
@@ -210,6 +228,21 @@ def share_of_sum(t: torch.Tensor, world_size: int) -> float:
         if placement.is_shard():
             sharded_over *= mesh.size(dim)
     return sharded_over / world_size
+
+
+def fsdp2_reshard(model: nn.Module) -> None:
+    """Put every FSDP2 module of `model` back in its sharded state (local, no collective).
+
+    After a forward under no_grad, FSDP2 keeps the root module's parameters (and
+    those of any module built with reshard_after_forward=False) gathered, since no
+    backward comes to reshard them, and the next forward reuses the gathered copy: a
+    value written to a sharded parameter in between would go unseen by it, and the
+    stale copy would outlive the check into training. Resharding makes the next
+    forward all-gather the shards as they are.
+    """
+    for module in model.modules():
+        if _is_fsdp2(module):
+            module.reshard()  # type: ignore[operator]
 
 
 def fsdp2_unsharded(model: nn.Module) -> dict[int, torch.Tensor]:
@@ -331,6 +364,7 @@ __all__ = [
     "all_gather_objects",
     "all_reduce",
     "check_same_names",
+    "fsdp2_reshard",
     "fsdp2_unsharded",
     "holds_dtensors",
     "is_wrapped_for_distribution",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from deadweight import param_roles
-from deadweight.errors import InputError, LossFnError
+from deadweight.errors import CollectiveError, InputError, LossFnError
 from deadweight.probes import autograd_graph, distributed, invariance
 from deadweight.probes.invariance import GradStats, ProbeResult
 from deadweight.probes.module_trace import ModuleTracer
@@ -151,8 +151,8 @@ def measure_grad_flow(
 
     With `shards` (DTensor parameters, FSDP2) every rank must call it: gradient
     presence, the gradient statistics and the loss are summed over the ranks' local
-    shards in one collective, so every rank measures the whole parameters; the
-    functional probes, which would re-run forwards that all-gather, are skipped.
+    shards in one collective, so every rank measures the whole parameters, and the
+    functional probes run on all ranks together (`_probe_shards`).
     """
     named = _validated_params(model, loss_fn, optimizer)
     names_by_id = {id(p): n for n, p in named}
@@ -275,14 +275,23 @@ def measure_grad_flow(
 
             value = float(loss.detach().float().item())
             loss_eps = float(torch.finfo(loss.dtype).eps) if loss.is_floating_point() else 0.0
+            probes: dict[tuple[str, str], ProbeResult]
+            probe_note: str | None
             if shards is not None:
-                value, stats_by_name = _sum_over_shards(
-                    shards, trainable, has_grad, reached_ids, value
+                value, stats_by_name, backward_failed = _sum_over_shards(
+                    shards, trainable, has_grad, reached_ids, value, backward_error is not None
                 )
-                probes: dict[tuple[str, str], ProbeResult] = {}
-                probe_note: str | None = (
-                    "functional probes skipped: the parameters are sharded (FSDP2), and "
-                    "each probe would re-run a forward that all-gathers them"
+                # Every rank probes the same candidates in the same order: the
+                # statistics, the loss and the rerun's value are the same on every rank.
+                probes, probe_note = _probe_shards(
+                    model,
+                    shards,
+                    [(n, p) for n, p in trainable if has_grad[id(p)]],
+                    stats_by_name,
+                    value,
+                    loss_eps,
+                    invariance.rerun_of(loss_fn, guard),
+                    runnable=not backward_failed and math.isfinite(value),
                 )
             else:
                 with_grad = [(n, p) for n, p in trainable if p.grad is not None]
@@ -298,8 +307,7 @@ def measure_grad_flow(
                     stats_by_name,
                     value,
                     loss_eps,
-                    loss_fn,
-                    guard,
+                    invariance.rerun_of(loss_fn, guard),
                     runnable=backward_error is None and math.isfinite(value),
                 )
 
@@ -346,6 +354,42 @@ def measure_grad_flow(
     )
 
 
+def _probe_shards(
+    model: nn.Module,
+    shards: distributed.Shards,
+    with_grad: list[tuple[str, nn.Parameter]],
+    stats: dict[str, GradStats],
+    loss: float,
+    loss_eps: float,
+    local_rerun: Callable[[], float | None],
+    runnable: bool,
+) -> tuple[dict[tuple[str, str], ProbeResult], str | None]:
+    """The functional probes on DTensor parameters, run by every rank together.
+
+    A probe writes to the sharded parameters in place (as an optimizer step does) and
+    re-runs the loss, whose forward all-gathers them. Each rerun's loss is the mean
+    of the ranks' losses (the loss of the whole batch, as the checked one), from one
+    all-reduce of two numbers; a rank whose loss_fn raises or gives a non-finite loss
+    makes the probe impossible on every rank. A rank that fails inside its forward,
+    before FSDP2's own collectives, holds the others there until the process
+    group's timeout; deadweight's collective then fails within its own.
+    """
+
+    def rerun() -> float | None:
+        distributed.fsdp2_reshard(model)
+        try:
+            mine = local_rerun()
+        finally:
+            distributed.fsdp2_reshard(model)
+        return shards.mean(mine, "check: probe loss")
+
+    try:
+        return invariance.probe(with_grad, stats, loss, loss_eps, rerun, runnable=runnable)
+    except CollectiveError as exc:
+        # The ranks no longer agree on which probe comes next: drop them all.
+        return {}, f"functional probes stopped: {exc}"
+
+
 # Per parameter: got a gradient, reaches the loss, then the five sums of
 # `invariance.grad_stats_from_sums`.
 _SHARD_COLUMNS = 7
@@ -358,7 +402,8 @@ def _sum_over_shards(
     has_grad: dict[int, bool],
     reached: set[int],
     loss: float,
-) -> tuple[float, dict[str, GradStats]]:
+    backward_failed: bool,
+) -> tuple[float, dict[str, GradStats], bool]:
     """Whole-parameter statistics from every rank's local shards, in one collective.
 
     Every rank sends a row for every trainable parameter, also those without a
@@ -366,7 +411,7 @@ def _sum_over_shards(
     ranks enter the same collective with the same shape. `has_grad` and `reached`
     are updated in place to "on any rank" (FSDP2 reduce-scatters gradients, so a
     gradient on one rank is a gradient everywhere); the loss becomes the mean over
-    the ranks, the loss of the whole batch.
+    the ranks, the loss of the whole batch, and `backward_failed` "on any rank".
     """
     world = shards.ranks.world_size if shards.ranks is not None else 1
     rows = torch.zeros(len(trainable) + 1, _SHARD_COLUMNS, dtype=torch.float64)
@@ -384,6 +429,7 @@ def _sum_over_shards(
         else:
             rows[k, 5] = (theta * theta).sum().cpu() * weight
     rows[-1, 0] = loss / world
+    rows[-1, 1] = float(backward_failed)
     total = shards.sum(rows, "check: gradient statistics").tolist()
     stats: dict[str, GradStats] = {}
     for k, (name, p) in enumerate(trainable):
@@ -392,7 +438,7 @@ def _sum_over_shards(
             reached.add(id(p))
         if has_grad[id(p)]:
             stats[name] = invariance.grad_stats_from_sums([total[k][2:7]], [p.numel()])[0]
-    return total[-1][0], stats
+    return total[-1][0], stats, total[-1][1] > 0
 
 
 def _backward(

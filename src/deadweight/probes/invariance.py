@@ -247,8 +247,7 @@ def probe(
     stats: dict[str, GradStats],
     loss_value: float,
     loss_eps: float,
-    loss_fn: Callable[[], Any],
-    guard: Any,
+    rerun: Callable[[], float | None],
     runnable: bool,
 ) -> tuple[dict[tuple[str, str], ProbeResult], str | None]:
     """Screen every parameter with a nonzero gradient; confirm candidates functionally.
@@ -256,6 +255,11 @@ def probe(
     An exactly-zero gradient is left out: it is what zero-initialised designs (a LoRA
     B matrix, a zero-init output projection) give the layers around them at step 0,
     and Adam does not move a parameter on exact zeros.
+
+    `rerun()` re-runs the loss with the parameters as they are now (`rerun_of` in one
+    process). Which probes run depends only on the statistics, `loss_value` and what
+    `rerun()` returns, so ranks that share those (FSDP2, where every probe's forward
+    all-gathers) run the same probes in the same order.
     """
     # Would-be warnings (a single number, or a gradient that is noise everywhere: it
     # could not learn at all) are what the probes are for: small groups, bisected,
@@ -283,17 +287,6 @@ def probe(
     if not runnable:
         return {}, "functional probes skipped: the loss is not finite or backward failed"
 
-    def rerun() -> float | None:
-        guard.reset_rng()
-        try:
-            with torch.no_grad():
-                out = loss_fn()
-        except Exception:
-            return None
-        if not isinstance(out, torch.Tensor) or out.numel() != 1:
-            return None
-        return float(out.detach().float().item())
-
     results: dict[tuple[str, str], ProbeResult] = {}
     if careful:
         for kind in ("scale", "shift"):  # each kind its own half of the budget
@@ -317,6 +310,27 @@ def probe(
             confirm(cheap, rerun, loss_value, loss_eps, max_group=len(cheap), budget=share)
         )
     return results, None
+
+
+def rerun_of(loss_fn: Callable[[], Any], guard: Any) -> Callable[[], float | None]:
+    """`loss_fn` re-run under no_grad on the checked run's RNG state (`guard.reset_rng`).
+
+    The rerun returns the loss as a float, or None when `loss_fn` raises or returns
+    something other than a one-element tensor: that probe is then impossible.
+    """
+
+    def rerun() -> float | None:
+        guard.reset_rng()
+        try:
+            with torch.no_grad():
+                out = loss_fn()
+        except Exception:
+            return None
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            return None
+        return float(out.detach().float().item())
+
+    return rerun
 
 
 def _widest_gap(group: list[_Candidate]) -> int:
