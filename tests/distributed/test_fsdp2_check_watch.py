@@ -27,9 +27,14 @@ def fused_single() -> dict:
     return w.fused_check(0, 1)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_check_on_fsdp2_names_w1_and_g_as_in_one_process(tmp_path, fused_single, world):
-    results = run_ranks(w.fused_check, world, tmp_path, deadline_s=120)
+# (4, True): HSDP, a (replicate 2, shard 2) mesh: each shard is held by two ranks,
+# and `distributed.share_of_sum` must count it once.
+MESHES = [(2, False), (3, False), (4, True)]
+
+
+@pytest.mark.parametrize(("world", "hsdp"), MESHES)
+def test_check_on_fsdp2_names_w1_and_g_as_in_one_process(tmp_path, fused_single, world, hsdp):
+    results = run_ranks(w.fused_check, world, tmp_path, hsdp, deadline_s=120)
     assert set(results) == set(range(world))
     assert fused_single["findings"][0][:2] == ["DW101", ["l1.weight", "norm.weight"]]
     for res in results.values():
@@ -41,6 +46,10 @@ def test_check_on_fsdp2_names_w1_and_g_as_in_one_process(tmp_path, fused_single,
         # the ranks' losses over their slices average to the loss of the whole batch
         assert res["subject"]["loss"] == pytest.approx(fused_single["subject"]["loss"], rel=1e-6)
         assert res["untouched"] is True and res["grads_left"] == []
+        # the combined gradient statistics are those of the whole tensors
+        assert set(res["measured"]) == set(res["reference"]) == {"l2.weight"}
+        for name, ref in res["reference"].items():
+            assert res["measured"][name] == pytest.approx(ref, rel=1e-5, abs=1e-9), name
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +57,14 @@ def drift_single() -> dict:
     return w.drift_watch(0, 1)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("world", "hsdp"), MESHES)
 def test_watch_on_fsdp2_reports_the_drifting_scalar_as_in_one_process(
-    tmp_path, drift_single, world
+    tmp_path, drift_single, world, hsdp
 ):
     assert ("DW302", [LAST]) in _findings(drift_single)
-    results = run_ranks(w.drift_watch, world, tmp_path, str(tmp_path / "run.jsonl"), deadline_s=280)
+    results = run_ranks(
+        w.drift_watch, world, tmp_path, str(tmp_path / "run.jsonl"), hsdp, deadline_s=280
+    )
     assert set(results) == set(range(world))
     ref = results[0]
     for res in results.values():
@@ -62,9 +73,11 @@ def test_watch_on_fsdp2_reports_the_drifting_scalar_as_in_one_process(
         assert res["subject"]["detector_errors"] == []
     assert _findings(ref) == _findings(drift_single)
     ev, single_ev = ref["evidence"]["DW302"], drift_single["evidence"]["DW302"]
-    # rank 0 holds the shape-[1] scalar whole, the others an empty slice
-    assert len(results[0]["last_scalar_local"]) == 1
-    assert all(results[r]["last_scalar_local"] == [] for r in range(1, world))
+    # rank 0 holds the shape-[1] scalar whole, the others an empty slice (under
+    # HSDP rank 2 holds rank 0's replica)
+    holders = [0, 2] if hsdp else [0]
+    for r in range(world):
+        assert len(results[r]["last_scalar_local"]) == (1 if r in holders else 0), r
     assert ev["last_value"] == pytest.approx(results[0]["last_scalar_local"][0])
     assert ev["steps"] == single_ev["steps"] == w.DRIFT_STEPS
     # rounding differs between the runs, and Adam turns the scalar's noise gradient

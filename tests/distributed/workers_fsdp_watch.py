@@ -19,13 +19,19 @@ GLOBAL_BATCH = 60
 DRIFT_STEPS = 300  # DW302 judges after 100 steps; the drift is ~0.2 by step 300
 
 
-def _shard(model: nn.Module, world: int, parts: list[nn.Module]) -> None:
+def _shard(model: nn.Module, world: int, parts: list[nn.Module], hsdp: bool = False) -> None:
+    """FSDP2 over all ranks; with `hsdp`, HSDP on 4 ranks: a (2, 2) mesh, each
+    parameter sharded over 2 ranks and the shards replicated twice."""
     if world == 1:
         return
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    if hsdp:
+        assert world == 4
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     for part in parts:
         fully_shard(part, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -44,11 +50,11 @@ def _summary(report: deadweight.Report) -> dict[str, Any]:
     }
 
 
-def fused_check(rank: int, world: int) -> dict[str, Any]:
+def fused_check(rank: int, world: int, hsdp: bool = False) -> dict[str, Any]:
     """The first seed's fused RMSNorm, checked once; parameters untouched afterwards."""
     setup = fused_rmsnorm.make(diff=False)
     model = setup.model
-    _shard(model, world, [])
+    _shard(model, world, [], hsdp)
     x, y = _slice(setup.x[:GLOBAL_BATCH], rank, world), _slice(setup.y[:GLOBAL_BATCH], rank, world)
     opt = torch.optim.SGD(model.parameters(), lr=fused_rmsnorm.LR)  # after fully_shard
     before = {n: deadweight_local(p).clone() for n, p in model.named_parameters()}
@@ -59,6 +65,30 @@ def fused_check(rank: int, world: int) -> dict[str, Any]:
     )
     out["grads_left"] = [n for n, p in model.named_parameters() if p.grad is not None]
     out["dtensor"] = all(hasattr(p, "to_local") for p in model.parameters()) if world > 1 else None
+    # The gradient statistics check judges by, combined from the shards ...
+    from deadweight.probes import distributed
+    from deadweight.probes.grad_flow import measure_grad_flow
+
+    shards = distributed.Shards(distributed.ranks_for(model))
+    stats = measure_grad_flow(model, lambda: F.mse_loss(model(x), y), shards=shards)
+    out["measured"] = {
+        q.name: [q.grad.grad_norm, q.grad.grad_dot_param, q.grad.grad_sum, q.grad.param_norm]
+        for q in stats.params
+        if q.grad is not None
+    }
+    # ... and the slow reference on the whole tensors, from a plain backward
+    F.mse_loss(model(x), y).backward()
+    out["reference"] = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            g, theta = _full(p.grad).double(), _full(p).double()
+            out["reference"][n] = [
+                float(g.norm()),
+                float((g * theta).sum()),
+                float(g.sum()),
+                float(theta.norm()),
+            ]
+    opt.zero_grad(set_to_none=True)
     return out
 
 
@@ -72,12 +102,14 @@ def deadweight_local(t: torch.Tensor) -> torch.Tensor:
     return (to_local() if callable(to_local) else t).detach()
 
 
-def drift_watch(rank: int, world: int, log: str | None = None) -> dict[str, Any]:
+def drift_watch(
+    rank: int, world: int, log: str | None = None, hsdp: bool = False
+) -> dict[str, Any]:
     """The second seed under watch: a shape-[1] scalar before RMSNorm drifts under AdamW."""
     torch.manual_seed(0)
     setup = layer_scalar_drift.make_watchable()
     model = setup.model
-    _shard(model, world, list(model.blocks))
+    _shard(model, world, list(model.blocks), hsdp)
     groups = layer_scalar_drift.shape_rule_groups(model)  # over the DTensors
     opt = torch.optim.AdamW(
         groups,

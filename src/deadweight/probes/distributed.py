@@ -230,6 +230,22 @@ def share_of_sum(t: torch.Tensor, world_size: int) -> float:
     return sharded_over / world_size
 
 
+def one_copy_ranks(t: torch.Tensor) -> list[int]:
+    """The global ranks whose local slices of `t`, in this order, make one whole copy.
+
+    A DTensor sharded over one mesh dimension and replicated over another (HSDP) is
+    held whole by each replica group: the ranks at coordinate 0 of every dimension
+    it is not sharded over are one such group, in mesh order along the sharded
+    dimension. A plain tensor is whole on every rank: [0].
+    """
+    placements = getattr(t, "placements", None)
+    mesh = getattr(t, "device_mesh", None)
+    if placements is None or mesh is None:
+        return [0]
+    index = tuple(slice(None) if p.is_shard() else 0 for p in placements)
+    return [int(r) for r in mesh.mesh[index].flatten().tolist()]
+
+
 def fsdp2_reshard(model: nn.Module) -> None:
     """Put every FSDP2 module of `model` back in its sharded state (local, no collective).
 
@@ -370,6 +386,7 @@ __all__ = [
     "is_wrapped_for_distribution",
     "local_backward",
     "local_tensor",
+    "one_copy_ranks",
     "per_rank_flags",
     "ranks_for",
     "sharded_names",

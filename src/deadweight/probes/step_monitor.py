@@ -411,7 +411,8 @@ class _ShardRecord:
     sizes keep their proportions, and otherwise between the true value and
     sqrt(ranks) times below it. Step counts (radial directions, lost updates) are
     averaged over the ranks that hold a non-empty slice. Values of the tiny
-    parameters are put back together from the slices, in rank order (dim-0 shards).
+    parameters are put back together from the slices of one replica group
+    (`distributed.one_copy_ranks`), in mesh order (dim-0 shards).
     """
 
     def __init__(self, bucket: _Bucket, copied: list[int]) -> None:
@@ -479,7 +480,8 @@ class _ShardRecord:
         offset = 0
         for j, i in enumerate(tiny):
             size = b.params[i].numel()
-            for r in range(world):
+            # one replica's slices only: under HSDP every shard is held twice or more
+            for r in distributed.one_copy_ranks(b.params[i]):
                 k = int(t_counts[r, j])
                 whole += slot_table[r, offset : offset + k].tolist()
             offset += size
