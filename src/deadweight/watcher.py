@@ -92,6 +92,14 @@ class Watch:
         self.config = config
         for model in models:  # a DDP model whose process group is gone: say so now
             distributed.ranks_for(model)
+        # id(parameter) -> the ranks of its DDP wrapper's process group, when that
+        # group is not the whole world: its copies are compared within that group.
+        self._dp_ranks: dict[int, tuple[int, ...]] = {
+            id(p): group
+            for model in models
+            if (group := distributed.ddp_ranks(model)) is not None
+            for p in model.parameters()
+        }
         # A DDP wrapper's parameters are named as in a single process.
         self.models = [distributed.unwrap(m) for m in models]
         self._ranks: distributed.Ranks | None = None
@@ -196,8 +204,14 @@ class Watch:
                 [g is not None for g in monitor.groups],
                 self._emit,
                 self.config.every,
+                [self._holders(p) for p in monitor.params],
             )
         return monitor
+
+    def _holders(self, p: torch.Tensor) -> tuple[int, ...] | None:
+        """The ranks holding copies of this rank's `p` (None: every rank)."""
+        shard_replicas = distributed.replica_ranks(p)
+        return shard_replicas if shard_replicas is not None else self._dp_ranks.get(id(p))
 
     def _job_ranks(self) -> distributed.Ranks | None:
         """This job's ranks, looked up when the first optimizer is watched (zero-code

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.distributed import workers_watch as w
 from tests.distributed.harness import run_ranks
 
@@ -82,3 +84,36 @@ def test_ranks_holding_different_models_are_not_replicas(tmp_path):
         codes = _codes(res["report"])
         assert "DW207" not in codes and "DW308" not in codes
         assert res["report"]["subject"]["distributed"]["complete"] is True
+
+
+@pytest.fixture(scope="module")
+def replica_groups(tmp_path_factory) -> dict:
+    return run_ranks(w.replica_groups, 4, tmp_path_factory.mktemp("groups"), deadline_s=120)
+
+
+def _divergences(report: dict) -> list[tuple[list[str], list[list[int]], int]]:
+    return [
+        (f["params"], f["evidence"]["groups"], f["evidence"]["first_step"])
+        for f in report["findings"]
+        if f["code"] == "DW308"
+    ]
+
+
+def test_ddp_in_two_groups_compares_each_group_within_itself(replica_groups):
+    assert set(replica_groups) == {0, 1, 2, 3}
+    for rank, res in replica_groups.items():
+        # the groups train different replicas: only rank 0's change inside its group
+        assert _divergences(res["ddp"]) == [(["head.weight"], [[0], [2]], 20)]
+        assert res["ddp"]["subject"]["distributed"]["complete"] is True
+        # two groups of 4 tensors, 4 float64 each, at steps 1 and 20; then the
+        # diverged copy's checksum from the ranks that hold one
+        assert res["ddp_bytes"] == [2 * 2 * 4 * 4 * 8 + (8 if rank in (0, 2) else 0)]
+
+
+def test_hsdp_compares_each_shard_between_the_ranks_that_hold_it(replica_groups):
+    for rank, res in replica_groups.items():
+        # rank 0's shard of body.weight against rank 2's; ranks 1 and 3 agree
+        assert _divergences(res["hsdp"]) == [(["body.weight"], [[0], [2]], 20)]
+        assert res["hsdp"]["subject"]["distributed"]["complete"] is True
+        # one group per shard: ranks {0, 2} and {1, 3}
+        assert res["hsdp_bytes"] == [2 * 2 * 4 * 4 * 8 + (8 if rank in (0, 2) else 0)]

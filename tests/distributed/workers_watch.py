@@ -135,3 +135,51 @@ def pipeline_stages(rank: int, world: int, out: str) -> dict[str, Any]:
             model(x).pow(2).mean().backward()
             opt.step()
     return {"report": w.report().to_dict()}
+
+
+def _tamper_train(rank: int, model: nn.Module, opt: torch.optim.Optimizer, tamper: Any) -> None:
+    for step in range(25):
+        if step == 10 and rank == 0:
+            with torch.no_grad():  # rank 0 alone changes its copy
+                tamper()
+        x, y = _batch(rank, step)
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def replica_groups(rank: int, world: int) -> dict[str, Any]:
+    """Two data-parallel layouts on 4 ranks where only some ranks hold copies.
+
+    DDP in two groups, ranks {0, 2} and {1, 3}: each group trains its own replica
+    on its own data, so the groups differ by design and only a copy changed inside
+    a group is a divergence. HSDP on a (replicate 2, shard 2) mesh: ranks 0 and 2
+    hold the same shards, as do 1 and 3. In both, rank 0 changes its copy of one
+    parameter at step 10; the watched step 20 must see it.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    assert world == 4
+    out: dict[str, Any] = {}
+    subgroups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates both
+    torch.manual_seed(0)
+    net = Net()
+    model = DDP(net, process_group=subgroups[rank % 2])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with deadweight.watch(model, opt) as w:
+        _tamper_train(rank, model, opt, lambda: net.head.weight.mul_(0.5))
+    out["ddp"] = w.report().to_dict()
+    out["ddp_bytes"] = [r.compare_bytes for r in w._replicas.values()]
+
+    torch.manual_seed(0)
+    net = Net()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    fully_shard(net, mesh=mesh)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    with deadweight.watch(net, opt) as w:
+        _tamper_train(rank, net, opt, lambda: net.body.weight.to_local().mul_(0.5))
+    out["hsdp"] = w.report().to_dict()
+    out["hsdp_bytes"] = [r.compare_bytes for r in w._replicas.values()]
+    return out

@@ -246,6 +246,37 @@ def one_copy_ranks(t: torch.Tensor) -> list[int]:
     return [int(r) for r in mesh.mesh[index].flatten().tolist()]
 
 
+def replica_ranks(t: torch.Tensor) -> tuple[int, ...] | None:
+    """For a DTensor, the global ranks holding the same local slice as this rank.
+
+    Those share this rank's coordinates along the mesh dimensions the tensor is
+    sharded over and differ along the others: HSDP's replicate dimension, or
+    nobody else (just this rank) under plain FSDP2. None for a plain tensor.
+    """
+    placements = getattr(t, "placements", None)
+    mesh = getattr(t, "device_mesh", None)
+    if placements is None or mesh is None:
+        return None
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank is outside the tensor's mesh
+        return ()
+    index = tuple(
+        c if p.is_shard() else slice(None) for p, c in zip(placements, coordinate, strict=True)
+    )
+    return tuple(int(r) for r in mesh.mesh[index].flatten().tolist())
+
+
+def ddp_ranks(model: nn.Module) -> tuple[int, ...] | None:
+    """The global ranks of a DDP wrapper's process group when it is not the whole
+    world (`DDP(module, process_group=group)`), else None."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return None
+    import torch.distributed as dist
+
+    ranks = tuple(int(r) for r in dist.get_process_group_ranks(model.process_group))
+    return None if len(ranks) == dist.get_world_size() else ranks
+
+
 def fsdp2_reshard(model: nn.Module) -> None:
     """Put every FSDP2 module of `model` back in its sharded state (local, no collective).
 
@@ -380,6 +411,7 @@ __all__ = [
     "all_gather_objects",
     "all_reduce",
     "check_same_names",
+    "ddp_ranks",
     "fsdp2_reshard",
     "fsdp2_unsharded",
     "holds_dtensors",
@@ -389,6 +421,7 @@ __all__ = [
     "one_copy_ranks",
     "per_rank_flags",
     "ranks_for",
+    "replica_ranks",
     "sharded_names",
     "share_of_sum",
     "timeout_s",

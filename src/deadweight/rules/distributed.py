@@ -183,7 +183,10 @@ def replica_divergence(stats: WatchStats) -> Iterator[Finding]:
     Under DDP, at every watched step, compares a checksum of each parameter's
     bits across ranks (one small all-reduce: four numbers per parameter tensor) and
     reports the parameters whose copies differ, with the ranks grouped by the copy
-    they hold and the spread of the copies' norms.
+    they hold and the spread of the copies' norms. Copies are compared among the
+    ranks that should hold them: a DDP wrapper built on a process group of some
+    ranks is compared within that group, and under HSDP (FSDP2 on a 2-D mesh)
+    each shard among the ranks that replicate it. Plain FSDP2 holds no copies.
 
     ## Why is this bad
     DDP averages gradients but never compares parameters: it assumes every rank
@@ -209,7 +212,7 @@ def replica_divergence(stats: WatchStats) -> Iterator[Finding]:
     - `first_step`, `last_step`: the watched steps the replicas differed at.
     - `groups`: the ranks grouped by the value they hold.
     - `norm_min`, `norm_max`, `norm_spread`: the parameter's norm across the ranks.
-    - `world_size`: the number of ranks.
+    - `world_size`: the number of ranks holding copies (the world under plain DDP).
     """
     for name, seen in stats.replicas.items():
         groups = seen["groups"]
@@ -217,7 +220,7 @@ def replica_divergence(stats: WatchStats) -> Iterator[Finding]:
             f"rank{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}" for g in groups
         )
         yield get_rule("DW308").finding(
-            f"`{name}` differs across the {seen['world_size']} DDP replicas from step "
+            f"`{name}` differs across its {seen['world_size']} replicas from step "
             f"{seen['first_step']} on ({split}); its norm ranges from "
             f"{seen['norm_min']:.6g} to {seen['norm_max']:.6g}.",
             params=[name],
