@@ -45,7 +45,9 @@ def _entry(
     torch.manual_seed(0)
     torch.set_num_threads(1)
     backend = os.environ.get("DW_TEST_BACKEND", "gloo")
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    # The training group's own timeout: short where a test kills a rank on purpose.
+    timeout = timedelta(seconds=float(os.environ.get("DW_TEST_PG_TIMEOUT", "60")))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     try:
         result = worker(rank, world, *args)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))

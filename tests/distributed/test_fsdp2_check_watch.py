@@ -3,6 +3,9 @@ findings as in one process, from statistics summed over the ranks' local shards.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -118,3 +121,41 @@ def test_a_rank_that_never_watches_turns_into_an_error_not_a_hang(tmp_path):
     assert {e["detector"] for e in errors} == {"record", "ranks"}, errors
     assert all("failed within 5 s" in e["message"] for e in errors), errors
     assert time.monotonic() - start < 120
+
+
+def test_a_rank_dying_under_fsdp2_leaves_the_survivors_reports_marked_incomplete(tmp_path):
+    start = time.monotonic()
+    results = run_ranks(
+        w.rank_dies,
+        3,
+        tmp_path,
+        str(tmp_path),
+        env={"DEADWEIGHT_COLLECTIVE_TIMEOUT": "5", "DW_TEST_PG_TIMEOUT": "10"},
+        deadline_s=90,
+    )
+    assert set(results) == {0, 1}  # rank 2 died
+    for res in results.values():
+        assert res["error"] is not None  # the survivors' training stopped with an error
+        assert res["trained"] == 25
+        rep = res["report"]
+        # as of step 20, the last watched step the ranks combined; closing the
+        # watch could not combine steps 21-25 with the dead rank's shards
+        assert rep["subject"]["steps"] == 20
+        assert rep["subject"]["end"] == "closed"
+        assert rep["subject"]["distributed"]["complete"] is False
+        errors = rep["subject"]["detector_errors"]
+        assert errors and all("CollectiveError" in e["message"] for e in errors), errors
+    # each survivor wrote its log, closed with the watch; the report rebuilt from it
+    # is marked incomplete too
+    assert results[0]["log"].endswith("run.jsonl") and (tmp_path / "run.jsonl").exists()
+    for log in ("run.jsonl", "run.rank1.jsonl"):
+        rebuilt = subprocess.run(
+            [sys.executable, "-m", "deadweight", "report", str(tmp_path / log), "--format", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert rebuilt.returncode in (0, 1), rebuilt.stderr
+        subject = json.loads(rebuilt.stdout)["subject"]
+        assert subject["distributed"]["complete"] is False and subject["end"] == "closed"
+    assert time.monotonic() - start < 60

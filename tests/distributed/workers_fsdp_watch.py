@@ -281,3 +281,32 @@ def healthy_check(rank: int, world: int) -> dict[str, Any]:
     out = _summary(report)
     out["calls"] = calls[0]
     return out
+
+
+def rank_dies(rank: int, world: int, out: str) -> dict[str, Any]:
+    """The last rank exits mid-run; the others' FSDP2 collectives fail, their
+    training loop raises, and they close the watch and keep its report."""
+    import os
+    from pathlib import Path
+
+    torch.manual_seed(0)
+    setup = layer_scalar_drift.make_watchable()
+    model = setup.model
+    _shard(model, world, list(model.blocks))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    trained, error = 0, None
+    with deadweight.watch(model, opt, every=10, log=Path(out, "run.jsonl")) as w:
+        try:
+            for step in range(40):
+                if step == 25 and rank == world - 1:
+                    os._exit(3)
+                idx = torch.randint(0, setup.x.shape[0], (GLOBAL_BATCH,), generator=gen)
+                x, y = _slice(setup.x[idx], rank, world), _slice(setup.y[idx], rank, world)
+                opt.zero_grad(set_to_none=True)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                trained += 1
+        except Exception as exc:  # FSDP2's own collective lost its peer
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return {"report": w.report().to_dict(), "trained": trained, "error": error, "log": w.log_path}

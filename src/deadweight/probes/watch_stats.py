@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from deadweight.errors import CollectiveError
+
 
 @dataclass
 class Series:
@@ -352,8 +354,14 @@ class WatchStats:
 
     @property
     def ranks_complete(self) -> bool:
-        """False once a cross-rank exchange failed (a rank died or stopped answering)."""
-        return not any(e.get("detector") == "ranks" for e in self.errors)
+        """False once a cross-rank exchange failed (a rank died or stopped answering):
+        the replica check's, or any detector's collective, such as the one that
+        combines FSDP2 shards (its error message names the CollectiveError)."""
+        return not any(
+            e.get("detector") == "ranks"
+            or str(e.get("message") or "").startswith(f"{CollectiveError.__name__}:")
+            for e in self.errors
+        )
 
 
 class _Detached(ParamTrack):
