@@ -122,6 +122,45 @@ def test_joint_risk_is_computed_in_the_same_pass_exactly(
         _same_risk(result.joint[name], joint_risk(value, whole, Scheme.parse(scheme)))
 
 
+def _blocks_losing_their_top(kind: str, group: int, count: int, seed: int) -> torch.Tensor:
+    """Every other block has its largest magnitude on its last element, so that the joint
+    block (one element earlier) loses it and the kernel counts that block again on a new
+    grid; the blocks between keep small last elements (the element before a joint block)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.standard_normal((count, group)) * 0.02
+    odd = np.arange(1, count, 2)
+    inside = rng.integers(0, group - 1, odd.size)
+    sign = rng.choice([-1.0, 1.0], odd.size)
+    blocks[odd, -1] = 0.9 * sign
+    if kind == "tie":  # the top also inside: the joint block keeps the same grid
+        blocks[odd, inside] = -0.9 * sign
+    elif kind == "lone":  # one element far above the rest inside: the joint top is alone
+        blocks[odd, inside] = 0.5 * sign
+    elif kind == "bigger-before":  # the element before is larger still: the joint top
+        blocks[odd - 1, -1] = -1.35
+    blocks[:, 3] = 0.0
+    return torch.tensor(blocks.reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", ["tie", "lone", "alone", "bigger-before"])
+@pytest.mark.parametrize("scheme", ["int4-group128", "int8-group100"])  # 100: vector tails
+def test_joint_blocks_that_lose_their_top_count_exactly(
+    tmp_path: Path, dtype: str, kind: str, scheme: str
+) -> None:
+    parsed = Scheme.parse(scheme)
+    assert parsed.group_size is not None
+    tensor = _blocks_losing_their_top(kind, parsed.group_size, 160, seed=11).to(DTYPES[dtype])
+    # a small scalar: the worst block is one of the weights' own, not the scalar's
+    scalars = [("s", 0.001)]
+    result, whole = _scan(tmp_path, tensor, scheme, scalars)
+    assert result.joint is not None
+    want = joint_risk(0.001, whole, parsed)
+    _same_risk(result.joint["s"], want)
+    if kind == "lone":
+        assert want.range_ratio > 4  # the joint blocks' top is alone: the bulk is below it
+
+
 def test_joint_falls_back_when_rows_are_not_whole_groups(tmp_path: Path) -> None:
     result, _ = _scan(tmp_path, _weights((33, 100), 1).float(), "int4-group16", [("s", 5.0)])
     assert result.risk is not None and result.joint is None  # the caller reads it whole

@@ -113,6 +113,10 @@ typedef int64_t vl2 __attribute__((vector_size(16)));
 /* A vector folded by maximum into its first 16 bytes (the groups kernel stops there: the
  * last lanes of a batch of groups are folded together in tops_*, across the batch). */
 static inline vf4 fold_max_vf(vf v) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && VBYTES == 64
+    const __m256 h = _mm256_max_ps(_mm512_extractf32x8_ps((__m512)v, 1), _mm512_castps512_ps256((__m512)v));
+    return (vf4)_mm_max_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+#else
     const char *p = (const char *)&v;
     vf4 m;
     memcpy(&m, p, 16);
@@ -123,6 +127,7 @@ static inline vf4 fold_max_vf(vf v) {
         m = (vf4)(((vi4)x & bigger) | ((vi4)m & ~bigger));
     }
     return m;
+#endif
 }
 static inline vd2 fold_max_vd(vd v) {
     const char *p = (const char *)&v;
@@ -202,6 +207,8 @@ static inline int64_t count_le_vw(vw a, vw b) {
 static inline int64_t count_ge_vw(vw a, vw b) {
     return __builtin_popcount(_mm512_cmpge_epu16_mask((__m512i)a, (__m512i)b));
 }
+static inline int64_t count_mask_vf(vfm m) { return __builtin_popcount(_mm512_movepi32_mask((__m512i)m)); }
+static inline int64_t count_mask_vd(vdm m) { return __builtin_popcount(_mm512_movepi64_mask((__m512i)m)); }
 /* zeros are counted as scalars too, not in vector lanes (see ACC_ADD) */
 #define SCALAR_ZEROS 1
 #else
@@ -227,6 +234,8 @@ static inline int64_t count_vwm(vwm m) { /* true lanes are 0xffff */
     return hsum_vfm((vfm)(((vu32)m & 0xffffu) + ((vu32)m >> 16))) / 0xffff;
 }
 #endif
+static inline int64_t count_mask_vf(vfm m) { return count_vfm(m); }
+static inline int64_t count_mask_vd(vdm m) { return count_vdm(m); }
 static inline int64_t count_le_vf(vf a, vf b) { return count_vfm((vfm)(a <= b)); }
 static inline int64_t count_ge_vf(vf a, vf b) { return count_vfm((vfm)(a >= b)); }
 static inline int64_t count_le_vd(vd a, vd b) { return count_vdm((vdm)(a <= b)); }
@@ -304,34 +313,21 @@ typedef double vbd __attribute__((vector_size(8 * GROUP_BATCH)));
 typedef uint64_t vbul __attribute__((vector_size(8 * GROUP_BATCH)));
 typedef int64_t vbdm __attribute__((vector_size(8 * GROUP_BATCH)));
 
-/* The larger of two batch vectors (variables: they are read twice), as a macro: batch
- * vectors are wider than some targets' registers, and a function taking them by value would
- * have a target-dependent calling convention. */
-#define MAX_VB(T, M, a, b) ((T)(((M)(b) & (M)((b) > (a))) | ((M)(a) & ~(M)((b) > (a)))))
-
-/* The batch's largest magnitudes: the larger of the per-lane parts (what is left of each
- * group's vector maximum, fold_max_vf) and the tails', and at least 0. */
-static void tops_f(float part[4][GROUP_BATCH], const float *tails, float *tops) {
-    vbf top, x;
-    memcpy(&top, tails, sizeof top);
-    for (int l = 0; l < 4; l++) {
-        memcpy(&x, part[l], sizeof x);
-        top = MAX_VB(vbf, vbm, top, x);
+/* The batch's largest magnitudes: the largest of each group's lanes (what is left of its
+ * vector maximum, fold_max_vf, one 16-byte row per group) and its tail, and at least 0. */
+static void tops_f(float part[GROUP_BATCH][4], const float *tails, float *tops) {
+    for (int j = 0; j < GROUP_BATCH; j++) {
+        float t = tails[j] > 0 ? tails[j] : 0;
+        for (int l = 0; l < 4; l++) t = part[j][l] > t ? part[j][l] : t;
+        tops[j] = t;
     }
-    const vbf zero = (vbf){};
-    top = MAX_VB(vbf, vbm, top, zero);
-    memcpy(tops, &top, sizeof top);
 }
-static void tops_d(double part[4][GROUP_BATCH], const double *tails, double *tops) {
-    vbd top, x;
-    memcpy(&top, tails, sizeof top);
-    for (int l = 0; l < 2; l++) {
-        memcpy(&x, part[l], sizeof x);
-        top = MAX_VB(vbd, vbdm, top, x);
+static void tops_d(double part[GROUP_BATCH][4], const double *tails, double *tops) {
+    for (int j = 0; j < GROUP_BATCH; j++) {
+        double t = tails[j] > 0 ? tails[j] : 0;
+        for (int l = 0; l < 2; l++) t = part[j][l] > t ? part[j][l] : t;
+        tops[j] = t;
     }
-    const vbd zero = (vbd){};
-    top = MAX_VB(vbd, vbdm, top, zero);
-    memcpy(tops, &top, sizeof top);
 }
 
 static void grids_f(const float *tops, double qmax, float *invs, float *bounds, int nb) {
@@ -341,7 +337,7 @@ static void grids_f(const float *tops, double qmax, float *invs, float *bounds, 
     const vbdm positive = (vbdm)(scale > 0);
     scale = (vbd)(((vbdm)scale & positive) | ((vbdm)((vbd){} + 1.0) & ~positive));
     const vbf inv = __builtin_convertvector(1.0 / scale, vbf);
-    vbu t = (vbu)(0.5f / inv);
+    vbu t = (vbu)__builtin_convertvector(scale * 0.5, vbf); /* 0.5 / inv, within an ulp */
     t += (vbu)((vbf)t * inv > 0.5f); /* a true lane is all ones: one step down */
     t += (vbu)((vbf)t * inv > 0.5f);
     t -= (vbu)((vbf)(t + 1) * inv <= 0.5f);
@@ -350,7 +346,13 @@ static void grids_f(const float *tops, double qmax, float *invs, float *bounds, 
                       (((vbm)((t & 0x7fffffffu) == 0x7f800000u)) | ~(vbm)((vbf)(t + 1) * inv <= 0.5f)) &
                       (vbm)(inv > 0) & (vbm)(inv < INFINITY);
     memcpy(invs, &inv, sizeof inv);
-    for (int j = 0; j < nb; j++) bounds[j] = exact[j] ? f32_from_bits(t[j]) : zero_bound_f(inv[j]);
+    const vbu b = t & (vbu)exact;
+    memcpy(bounds, &b, sizeof b);
+    int all = 1;
+    for (int j = 0; j < GROUP_BATCH; j++) all &= exact[j] != 0;
+    if (!all)
+        for (int j = 0; j < nb; j++)
+            if (!exact[j]) bounds[j] = zero_bound_f(inv[j]);
 }
 
 static void grids_d(const double *tops, double qmax, double *invs, double *bounds, int nb) {
@@ -525,6 +527,11 @@ static inline double hsum_vd(vd v) {
     }
     return t[0] + t[1];
 }
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && VBYTES == 64
+/* with intrinsics: halves taken through memory would keep the accumulators in memory */
+static inline vd widen_low(vf v) { return (vd)_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)v)); }
+static inline vd widen_high(vf v) { return (vd)_mm512_cvtps_pd(_mm512_extractf32x8_ps((__m512)v, 1)); }
+#else
 static inline vd widen_low(vf v) {
     vfh h;
     memcpy(&h, &v, sizeof h);
@@ -535,6 +542,7 @@ static inline vd widen_high(vf v) {
     memcpy(&h, (const char *)&v + sizeof h, sizeof h);
     return __builtin_convertvector(h, vd);
 }
+#endif
 static inline double lanes_sum_vf(double t, vf a, vf b) {
     return t + hsum_vd((widen_low(a) + widen_high(a)) + (widen_low(b) + widen_high(b)));
 }
@@ -609,19 +617,74 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
  * of the tensor quantized as one row with a scalar put in front of it (quantization.py's
  * joint_risk). It reuses the own block's largest magnitude, grid and count of elements near
  * it whenever the grid is the same (all but about 2 blocks in `len`), and adds to gj the
- * change in zero-rounded elements relative to the own block.
+ * change in zero-rounded elements relative to the own block. When the grid changes (the
+ * block's top was its last element, or the element before is larger), the block is counted
+ * again in vectors over all its elements, and the last element's share taken out after.
  */
-#define DEFINE_JOINT(NAME, SRC, VAL, LOAD)                                                  \
+#define DEFINE_JOINT(NAME, SRC, VAL, V, VM, W, VLOAD2, ABS, MAXV, HMAX, COUNT_MASK, LOAD)   \
     static inline int64_t rounds_##NAME(VAL v, VAL inv) {                                   \
         const VAL scaled = v * inv;                                                         \
         return (v != 0) & (scaled <= (VAL)0.5) & (scaled >= (VAL)-0.5);                     \
+    }                                                                                       \
+    /* Over the whole block: the largest magnitude below `top`, and how many reach it (a    \
+     * block whose last element is its top keeps top without it when top recurs). */       \
+    static VAL below_top_##NAME(const SRC *p, int64_t len, VAL top, int64_t *at_top) {      \
+        const V vt = (V){} + top;                                                           \
+        V m = (V){}, m2 = (V){};                                                            \
+        int64_t c = 0, k = 0;                                                               \
+        for (; k + 2 * (W) <= len; k += 2 * (W)) {                                          \
+            V v, w;                                                                         \
+            VLOAD2(p, k, &v, &w);                                                           \
+            const V a = ABS(v), b = ABS(w);                                                 \
+            m = MAXV(m, (V)((VM)a & (VM)(a < vt)));                                         \
+            m2 = MAXV(m2, (V)((VM)b & (VM)(b < vt)));                                       \
+            c += COUNT_MASK((VM)(a >= vt)) + COUNT_MASK((VM)(b >= vt));                     \
+        }                                                                                   \
+        VAL r = HMAX(MAXV(m, m2));                                                          \
+        for (; k < len; k++) {                                                              \
+            const VAL v = LOAD(p, k), a = v < 0 ? -v : v;                                   \
+            if (a < top && a > r) r = a;                                                    \
+            c += a >= top;                                                                  \
+        }                                                                                   \
+        *at_top = c;                                                                        \
+        return r;                                                                           \
+    }                                                                                       \
+    /* Over the whole block: the elements rounding to 0 on the grids `inv` and `inv_j`      \
+     * (zeros left out), and those with 2|v| >= tj. */                                      \
+    static void regrid_##NAME(const SRC *p, int64_t len, VAL inv, VAL inv_j, VAL tj,        \
+                              int64_t *own, int64_t *joint, int64_t *near) {                \
+        const V vi = (V){} + inv, vj = (V){} + inv_j, vt = (V){} + tj;                      \
+        const V half = (V){} + (VAL)0.5, zero = (V){};                                      \
+        int64_t o = 0, jn = 0, n = 0, k = 0;                                                \
+        for (; k + 2 * (W) <= len; k += 2 * (W)) {                                          \
+            V v, w;                                                                         \
+            VLOAD2(p, k, &v, &w);                                                           \
+            const VM nv = (VM)(v != zero), nw = (VM)(w != zero);                            \
+            o += COUNT_MASK(nv & (VM)(ABS(v * vi) <= half)) + COUNT_MASK(nw & (VM)(ABS(w * vi) <= half));\
+            jn += COUNT_MASK(nv & (VM)(ABS(v * vj) <= half)) + COUNT_MASK(nw & (VM)(ABS(w * vj) <= half));\
+            const V a = ABS(v), b = ABS(w);                                                 \
+            n += COUNT_MASK((VM)(a + a >= vt)) + COUNT_MASK((VM)(b + b >= vt));             \
+        }                                                                                   \
+        for (; k < len; k++) {                                                              \
+            const VAL v = LOAD(p, k), a = v < 0 ? -v : v;                                   \
+            o += rounds_##NAME(v, inv);                                                     \
+            jn += rounds_##NAME(v, inv_j);                                                  \
+            n += a + a >= tj;                                                               \
+        }                                                                                   \
+        *own = o;                                                                           \
+        *joint = jn;                                                                        \
+        *near = n;                                                                          \
     }                                                                                       \
     static void joint_##NAME(const SRC *p, int64_t len, VAL pv, VAL top, int64_t near,      \
                              VAL inv, double qmax, int64_t id, dw_groups *gj) {             \
         const VAL last = LOAD(p, len - 1);                                                  \
         const VAL al = last < 0 ? -last : last, ap = pv < 0 ? -pv : pv;                     \
         VAL top_rest = top; /* largest magnitude of p[0 .. len-2] */                        \
-        if (!(al < top)) {                                                                  \
+        if (al == top) { /* the last is the top: the others' largest, or top if it recurs */\
+            int64_t at_top;                                                                 \
+            const VAL below = below_top_##NAME(p, len, top, &at_top);                       \
+            top_rest = at_top >= 2 ? top : below;                                           \
+        } else if (!(al < top)) { /* NaN */                                                 \
             top_rest = 0;                                                                   \
             for (int64_t k = 0; k + 1 < len; k++) {                                         \
                 const VAL v = LOAD(p, k), a = v < 0 ? -v : v;                               \
@@ -633,20 +696,14 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
         if (tj == top) { /* the same grid: adjust the own block's counts */                 \
             gj->zero_rounded += rounds_##NAME(pv, inv) - rounds_##NAME(last, inv);          \
             near_j = near - (al + al >= top) + (ap + ap >= top);                            \
-        } else {                                                                            \
+        } else { /* a new grid: count the block again, then take the last out */            \
             double scale = (double)tj / qmax;                                               \
             if (!(scale > 0)) scale = 1.0;                                                  \
             const VAL inv_j = (VAL)(1.0 / scale);                                           \
-            int64_t own = 0, joint = rounds_##NAME(pv, inv_j);                              \
-            near_j = (ap + ap >= tj);                                                       \
-            for (int64_t k = 0; k < len; k++) {                                             \
-                const VAL v = LOAD(p, k), a = v < 0 ? -v : v;                               \
-                own += rounds_##NAME(v, inv);                                               \
-                if (k + 1 < len) {                                                          \
-                    joint += rounds_##NAME(v, inv_j);                                       \
-                    near_j += (a + a >= tj);                                                \
-                }                                                                           \
-            }                                                                               \
+            int64_t own, joint, n;                                                          \
+            regrid_##NAME(p, len, inv, inv_j, tj, &own, &joint, &n);                        \
+            joint += rounds_##NAME(pv, inv_j) - rounds_##NAME(last, inv_j);                 \
+            near_j = n - (al + al >= tj) + (ap + ap >= tj);                                 \
             gj->zero_rounded += joint - own;                                                \
         }                                                                                   \
         VAL bulk = tj;                                                                      \
@@ -659,7 +716,7 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
             bulk = second;                                                                  \
         }                                                                                   \
         const double ratio =                                                                \
-            bulk == tj ? 1.0 : (bulk > 0 ? fmax((double)tj / (double)bulk, 1.0) : 1.0);   \
+            bulk == tj ? 1.0 : (bulk > 0 ? fmax((double)tj / (double)bulk, 1.0) : 1.0);     \
         if (ratio > gj->worst_ratio || gj->worst_block < 0) {                               \
             gj->worst_ratio = ratio;                                                        \
             gj->worst_block = id;                                                           \
@@ -855,7 +912,7 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
         VAL topss[2][GROUP_BATCH], invss[2][GROUP_BATCH], boundss[2][GROUP_BATCH];          \
         uint32_t wordss[2][GROUP_BATCH];                                                    \
         int64_t nears[GROUP_BATCH];                                                         \
-        VAL part[4][GROUP_BATCH] = {{0}}, tails[GROUP_BATCH] = {0};                         \
+        VAL part[GROUP_BATCH][4] = {{0}}, tails[GROUP_BATCH] = {0};                         \
         int64_t row = 0, col = 0; /* where the next block starts */                         \
         int64_t before = 0;       /* the previous batch's first block */                    \
         int nb_before = 0, cur = 0;                                                         \
@@ -912,8 +969,7 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 /* NaN never enters the minimum or maximum on x86; elsewhere it makes top   \
                  * NaN, and the tensor's risk is undefined with NaN anyway */               \
                 const R16 folded = FOLD(MAX(ghi, -glo));                                    \
-                for (int l = 0; l < (int)(sizeof folded / sizeof(VAL)); l++)                \
-                    part[l][j] = folded[l];                                                 \
+                memcpy(part[j], &folded, sizeof folded);                                    \
                 tails[j] = u1;                                                              \
                 pending += len;                                                             \
                 if (pending >= FLUSH) {                                                     \
@@ -982,10 +1038,14 @@ DEFINE_MOMENTS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, vload2_f32,
 DEFINE_MOMENTS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vload2_bf16, load_bf16)
 DEFINE_MOMENTS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vload2_f16, load_f16)
 DEFINE_MOMENTS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, vload2_f64, load_f64)
-DEFINE_JOINT(f32, float, float, load_f32)
-DEFINE_JOINT(bf16, uint16_t, float, load_bf16)
-DEFINE_JOINT(f16, uint16_t, float, load_f16)
-DEFINE_JOINT(f64, double, double, load_f64)
+DEFINE_JOINT(f32, float, float, vf, vfm, VF_LANES, vload2_f32, abs_vf, max_vf, hmax_vf, count_mask_vf,
+             load_f32)
+DEFINE_JOINT(bf16, uint16_t, float, vf, vfm, VF_LANES, vload2_bf16, abs_vf, max_vf, hmax_vf, count_mask_vf,
+             load_bf16)
+DEFINE_JOINT(f16, uint16_t, float, vf, vfm, VF_LANES, vload2_f16, abs_vf, max_vf, hmax_vf, count_mask_vf,
+             load_f16)
+DEFINE_JOINT(f64, double, double, vd, vdm, VD_LANES, vload2_f64, abs_vd, max_vd, hmax_vd, count_mask_vd,
+             load_f64)
 DEFINE_JOINT_BATCH(f32, float, float, vbf, vbm, load_f32)
 DEFINE_JOINT_BATCH(bf16, uint16_t, float, vbf, vbm, load_bf16)
 DEFINE_JOINT_BATCH(f16, uint16_t, float, vbf, vbm, load_f16)
