@@ -282,3 +282,20 @@ def test_elements_at_the_rounding_and_near_top_edges_count_exactly(
     want = quant_risk(whole, parsed)
     _same_risk(result.risk, want)
     assert want.zero_fraction > 0  # the edges did land on both sides of the rounding bound
+
+
+# the reference's float inverse overflows on purpose here
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("scale", [1e-39, 3e-41, 1e-44, 1e-30])
+def test_subnormal_groups_are_measured_as_quant_risk_does(
+    tmp_path: Path, dtype: str, scale: float
+) -> None:
+    # Tops in float's subnormal range: the grids' inverse overflows, and the fast steps
+    # of the rounding bound are not exact there (the kernels' slow searches).
+    values = np.random.default_rng(1).standard_normal((64, 128)) * scale
+    tensor = torch.tensor(values).to(DTYPES[dtype])
+    result, whole = _scan(tmp_path, tensor, "int4-group128")
+    assert result.risk is not None
+    _same_risk(result.risk, quant_risk(whole, Scheme.parse("int4-group128")))

@@ -843,8 +843,13 @@ static void words_bf16(const float *tops, const float *bounds, uint32_t *words, 
     const vbm exact = (vbm)((vbf)(hi << 16) * 2.0f >= top) &
                       ((vbm)(hi == 0) | ~(vbm)((vbf)((hi - 1) << 16) * 2.0f >= top)) &
                       (vbm)(top <= 0x1.fep127f);
-    for (int j = 0; j < nb; j++)
-        words[j] = lo[j] | (uint32_t)(exact[j] ? hi[j] : bf16_near_word(tops[j])) << 16;
+    const vbu both = lo | hi << 16;
+    memcpy(words, &both, sizeof both);
+    int all = 1;
+    for (int j = 0; j < GROUP_BATCH; j++) all &= exact[j] != 0;
+    if (!all)
+        for (int j = 0; j < nb; j++)
+            if (!exact[j]) words[j] = lo[j] | (uint32_t)bf16_near_word(tops[j]) << 16;
 }
 static void no_words(const float *tops, const float *bounds, uint32_t *words, int nb) {
     (void)tops, (void)bounds, (void)words, (void)nb;
