@@ -75,12 +75,21 @@ __all__ = [
     "BROKEN_BELOW_BITS",
     "DEGRADED_LOSS_BITS",
     "ENOUGH_BITS",
+    "Bounds",
     "QuantRisk",
     "Scheme",
+    "as_measured",
+    "block_bounds",
     "block_measure",
+    "bounds_ratio",
+    "bulk_rank",
+    "central_ranks",
     "fake_quantize",
+    "fake_quantize_blocks",
+    "is_tiny",
     "joint_risk",
     "quant_risk",
+    "risk_from_measures",
     "risk_of_worst_block",
     "verdict_for",
 ]
@@ -238,12 +247,24 @@ def _layout(values: np.ndarray, scheme: Scheme) -> _Layout:
 # --- per-block statistics -----------------------------------------------------------
 
 
-def _is_tiny(n: int, q: float) -> bool:
+def is_tiny(n: int, q: float) -> bool:
+    """Whether a block of n elements is too small for the quantile to exclude anything."""
     return n * (1.0 - q) < 1.0 - _INDEX_EPS
 
 
+def bulk_rank(n: int, q: float) -> int:
+    """Sorted index of a symmetric block's bulk |x| (a block that is not tiny)."""
+    return math.floor(q * (n - 1) + _INDEX_EPS)
+
+
+def central_ranks(n: int, q: float) -> tuple[int, int]:
+    """Sorted indices of an asymmetric block's bulk ends (a block that is not tiny)."""
+    klo = math.ceil((1.0 - q) / 2.0 * (n - 1) - _INDEX_EPS)
+    return klo, n - 1 - klo
+
+
 @dataclass(frozen=True)
-class _Bounds:
+class Bounds:
     """Per-block grid bounds and bulk bounds: lo <= x <= hi (lo = -hi when symmetric)."""
 
     lo: np.ndarray
@@ -252,11 +273,11 @@ class _Bounds:
     bulk_hi: np.ndarray
 
 
-def _bounds(blocks: np.ndarray, symmetric: bool, q: float) -> _Bounds:
+def block_bounds(blocks: np.ndarray, symmetric: bool, q: float) -> Bounds:
     n = blocks.shape[1]
     if symmetric:
         mag = np.abs(blocks)
-        if _is_tiny(n, q):
+        if is_tiny(n, q):
             if n == 1:
                 bulk = top = mag[:, 0]
             else:
@@ -264,14 +285,14 @@ def _bounds(blocks: np.ndarray, symmetric: bool, q: float) -> _Bounds:
                 second, top = part[:, n - 2], part[:, n - 1]
                 bulk = np.where(top > _TINY_DROP_FACTOR * second, second, top)
         else:
-            k = math.floor(q * (n - 1) + _INDEX_EPS)
+            k = bulk_rank(n, q)
             part = np.partition(mag, [k, n - 1], axis=1)
             bulk, top = part[:, k], part[:, n - 1]
-        return _Bounds(-top, top, -bulk, bulk)
-    if _is_tiny(n, q):
+        return Bounds(-top, top, -bulk, bulk)
+    if is_tiny(n, q):
         lo, hi = blocks.min(axis=1), blocks.max(axis=1)
         if n == 1:
-            return _Bounds(np.minimum(lo, 0), np.maximum(hi, 0), lo, hi)
+            return Bounds(np.minimum(lo, 0), np.maximum(hi, 0), lo, hi)
         part = np.partition(blocks, sorted({1, n - 2}), axis=1)
         second_lo, second_hi = part[:, 1], part[:, n - 2]
         drop_hi = np.maximum(second_hi, 0) - np.minimum(lo, 0)  # range without the max
@@ -281,31 +302,30 @@ def _bounds(blocks: np.ndarray, symmetric: bool, q: float) -> _Bounds:
         bulk_hi = np.where(drop & (drop_hi <= drop_lo), second_hi, hi)
         bulk_lo = np.where(drop & (drop_hi > drop_lo), second_lo, lo)
     else:
-        klo = math.ceil((1.0 - q) / 2.0 * (n - 1) - _INDEX_EPS)
-        khi = n - 1 - klo
+        klo, khi = central_ranks(n, q)
         part = np.partition(blocks, sorted({0, klo, khi, n - 1}), axis=1)
         lo, hi = part[:, 0], part[:, n - 1]
         bulk_lo, bulk_hi = part[:, klo], part[:, khi]
-    return _Bounds(np.minimum(lo, 0), np.maximum(hi, 0), bulk_lo, bulk_hi)
+    return Bounds(np.minimum(lo, 0), np.maximum(hi, 0), bulk_lo, bulk_hi)
 
 
-def _range_bounds(blocks: np.ndarray, symmetric: bool) -> _Bounds:
+def _range_bounds(blocks: np.ndarray, symmetric: bool) -> Bounds:
     """The grid's bounds alone (bulk = whole block): all fake_quantize needs."""
     if symmetric:
         top = np.abs(blocks).max(axis=1)
-        return _Bounds(-top, top, -top, top)
+        return Bounds(-top, top, -top, top)
     lo, hi = np.minimum(blocks.min(axis=1), 0), np.maximum(blocks.max(axis=1), 0)
-    return _Bounds(lo, hi, lo, hi)
+    return Bounds(lo, hi, lo, hi)
 
 
-def _ratio(bounds: _Bounds) -> np.ndarray:
+def bounds_ratio(bounds: Bounds) -> np.ndarray:
     full = bounds.hi.astype(np.float64) - bounds.lo
     bulk = np.maximum(bounds.bulk_hi.astype(np.float64), 0) - np.minimum(bounds.bulk_lo, 0)
     safe = np.where(bulk > 0, bulk, 1.0)
     return np.where(bulk > 0, np.maximum(full / safe, 1.0), 1.0)
 
 
-def _grid(bounds: _Bounds, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray, int, int]:
+def _grid(bounds: Bounds, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Per-block scale and zero point, and the integer range."""
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
@@ -322,7 +342,7 @@ def _grid(bounds: _Bounds, bits: int, symmetric: bool) -> tuple[np.ndarray, np.n
     return scale, zero, qmin, qmax
 
 
-def _fake_quantize_blocks(blocks: np.ndarray, bounds: _Bounds, scheme: Scheme) -> np.ndarray:
+def fake_quantize_blocks(blocks: np.ndarray, bounds: Bounds, scheme: Scheme) -> np.ndarray:
     scale, zero, qmin, qmax = _grid(bounds, scheme.bits, scheme.symmetric)
     dtype = blocks.dtype
     # Multiply by the reciprocal and add the zero point before rounding, as torch's
@@ -343,7 +363,7 @@ def _fake_quantize_blocks(blocks: np.ndarray, bounds: _Bounds, scheme: Scheme) -
 # --- public API ---------------------------------------------------------------------
 
 
-def _prepare(values: np.ndarray) -> np.ndarray:
+def as_measured(values: np.ndarray) -> np.ndarray:
     arr = np.asarray(values)
     if not np.issubdtype(arr.dtype, np.floating):
         arr = arr.astype(np.float64)
@@ -357,12 +377,12 @@ def _prepare(values: np.ndarray) -> np.ndarray:
 
 def fake_quantize(values: np.ndarray, scheme: Scheme) -> np.ndarray:
     """Quantize then dequantize ``values`` under ``scheme``; same shape (float32 or float64)."""
-    arr = _prepare(values)
+    arr = as_measured(values)
     if arr.size == 0:
         return arr.copy()
     layout = _layout(arr, scheme)
     out = [
-        _fake_quantize_blocks(blocks, _range_bounds(blocks, scheme.symmetric), scheme)
+        fake_quantize_blocks(blocks, _range_bounds(blocks, scheme.symmetric), scheme)
         for blocks in layout.families
     ]
     return layout.restore(out)
@@ -372,18 +392,18 @@ def quant_risk(values: np.ndarray, scheme: Scheme, *, bulk_quantile: float = 0.9
     """The precision ``values`` keep under ``scheme``, set by its worst block."""
     if not 0.0 < bulk_quantile < 1.0:
         raise ValueError(f"bulk_quantile must be in (0, 1), got {bulk_quantile}")
-    arr = _prepare(values)
+    arr = as_measured(values)
     if arr.size == 0:
         return QuantRisk(str(scheme), float(scheme.bits), 0.0, None, 1.0, "ok", 0.0, 0)
     layout = _layout(arr, scheme)
     # At most two families (see _Layout): the loops below are over those, not blocks.
-    bounds = [_bounds(b, scheme.symmetric, bulk_quantile) for b in layout.families]
+    bounds = [block_bounds(b, scheme.symmetric, bulk_quantile) for b in layout.families]
     n_blocks = sum(len(ids) for ids in layout.block_ids)
     ratio_of = np.empty(n_blocks)
     family_of = np.empty(n_blocks, dtype=np.intp)
     row_of = np.empty(n_blocks, dtype=np.intp)
     for f, (bnd, ids) in enumerate(zip(bounds, layout.block_ids, strict=True)):
-        ratio_of[ids] = _ratio(bnd)
+        ratio_of[ids] = bounds_ratio(bnd)
         family_of[ids] = f
         row_of[ids] = np.arange(len(ids))
     worst_id = int(np.argmax(ratio_of))  # the first of equals: the lowest block index
@@ -391,7 +411,7 @@ def quant_risk(values: np.ndarray, scheme: Scheme, *, bulk_quantile: float = 0.9
 
     zeros = nonzero = 0
     for blocks, bnd in zip(layout.families, bounds, strict=True):
-        fq = _fake_quantize_blocks(blocks, bnd, scheme)
+        fq = fake_quantize_blocks(blocks, bnd, scheme)
         nonzero += int(np.count_nonzero(blocks))
         zeros += int(np.count_nonzero((fq == 0) & (blocks != 0)))
     return risk_of_worst_block(
@@ -409,10 +429,10 @@ def block_measure(
     values: np.ndarray, scheme: Scheme, *, bulk_quantile: float = 0.999
 ) -> tuple[float, int]:
     """One block's range ratio and how many of its non-zero elements quantize to 0."""
-    block = _prepare(values).reshape(1, -1)
-    bnd = _bounds(block, scheme.symmetric, bulk_quantile)
-    fq = _fake_quantize_blocks(block, bnd, scheme)
-    return float(_ratio(bnd)[0]), int(np.count_nonzero((fq == 0) & (block != 0)))
+    block = as_measured(values).reshape(1, -1)
+    bnd = block_bounds(block, scheme.symmetric, bulk_quantile)
+    fq = fake_quantize_blocks(block, bnd, scheme)
+    return float(bounds_ratio(bnd)[0]), int(np.count_nonzero((fq == 0) & (block != 0)))
 
 
 def risk_of_worst_block(
@@ -429,15 +449,31 @@ def risk_of_worst_block(
     its worst block's values, range ratio and index, and over the whole tensor the non-zero
     elements and how many of them quantize to zero. The worst block is fake-quantized here
     for the measured error, as `quant_risk` does."""
-    values = _prepare(block).reshape(1, -1)
-    bnd = _bounds(values, scheme.symmetric, bulk_quantile)
-    fq = _fake_quantize_blocks(values, bnd, scheme)[0]
+    values = as_measured(block).reshape(1, -1)
+    bnd = block_bounds(values, scheme.symmetric, bulk_quantile)
+    fq = fake_quantize_blocks(values, bnd, scheme)[0]
     row = values[0]
     in_bulk = (row >= bnd.bulk_lo[0]) & (row <= bnd.bulk_hi[0])
     bulk = row[in_bulk]
     err = fq[in_bulk] - bulk
     bulk_power = float(np.dot(bulk, bulk))
     measured = math.sqrt(float(np.dot(err, err)) / bulk_power) if bulk_power > 0 else 0.0
+    outliers = int(row.size - np.count_nonzero(in_bulk))
+    return risk_from_measures(
+        scheme, range_ratio, block_index, zero_rounded, nonzero, measured, outliers
+    )
+
+
+def risk_from_measures(
+    scheme: Scheme,
+    range_ratio: float,
+    block_index: int,
+    zero_rounded: int,
+    nonzero: int,
+    measured_error: float,
+    outliers: int,
+) -> QuantRisk:
+    """The QuantRisk of a tensor measured elsewhere, worst block's error included."""
     effective = scheme.bits - math.log2(range_ratio)
     return QuantRisk(
         scheme=str(scheme),
@@ -446,8 +482,8 @@ def risk_of_worst_block(
         worst_block=None if scheme.granularity == "tensor" else block_index,
         range_ratio=range_ratio,
         verdict=verdict_for(effective, scheme.bits),
-        measured_error=measured,
-        outliers=int(row.size - np.count_nonzero(in_bulk)),
+        measured_error=measured_error,
+        outliers=outliers,
     )
 
 
@@ -462,6 +498,6 @@ def joint_risk(scalar: float, weights: np.ndarray, scheme: Scheme) -> QuantRisk:
     the scalar gets its own scale and nothing is lost (the write-up's "the scalar owns
     its group"). Block 0 is the scalar's.
     """
-    flat = _prepare(weights).reshape(-1)
+    flat = as_measured(weights).reshape(-1)
     joined = np.concatenate([np.asarray([scalar], dtype=flat.dtype), flat])
     return quant_risk(joined, scheme)
