@@ -24,7 +24,8 @@ import numpy as np
 
 from deadweight.homologous import layer_key
 from deadweight.probes import native_reduce
-from deadweight.probes.quantization import QuantRisk, Scheme, joint_risk, quant_risk
+from deadweight.probes.quant_stream import checkpoint_source, stream_joint_risk, stream_quant_risk
+from deadweight.probes.quantization import QuantRisk, Scheme
 from deadweight.probes.tensor_pass import default_threads, scan_tensor
 from deadweight.probes.tensor_stats import TensorStats, tensor_stats
 from deadweight.readers import Checkpoint, CheckpointError, TensorEntry, open_checkpoint, step_of
@@ -98,9 +99,9 @@ def scan_checkpoint(
 ) -> CheckpointScan:
     """Statistics of every tensor; with a scheme, also its quantization risk.
 
-    Each floating tensor is read once: by the native one-pass kernels on `threads` threads
-    (default: every core) where they apply, else in chunks by numpy/torch, or whole when a
-    scheme needs the whole tensor."""
+    Each floating tensor is read in chunks, never whole: once by the native one-pass kernels
+    on `threads` threads (default: every core) where they apply, else by numpy/torch, and
+    again (quant_stream) for a scheme or a layer scalar the kernels do not measure."""
     scan = CheckpointScan(ckpt.path, step_of(ckpt.path), optimizer=ckpt.optimizer)
     entries = ckpt.entries()
     if not entries and ckpt.optimizer is None:
@@ -148,7 +149,6 @@ def _scan_entry(
     fast = None
     if entry.is_float and kernels is not None:
         fast = scan_tensor(ckpt, entry, kernels, pool, threads, scheme, scalars)
-    whole: np.ndarray | None = None
     risk: QuantRisk | None = None
     if fast is not None:
         stats, risk = fast.stats, fast.risk
@@ -157,23 +157,19 @@ def _scan_entry(
             scalars = []
     elif not entry.is_float:
         stats = tensor_stats(entry.name, entry.shape, entry.dtype, entry.numel, None)
-    elif scheme is None:
-        stats = tensor_stats(entry.name, entry.shape, entry.dtype, entry.numel, ckpt.chunks(entry))
     else:
-        whole = ckpt.array(entry)
-        stats = tensor_stats(entry.name, entry.shape, entry.dtype, entry.numel, [whole])
+        stats = tensor_stats(entry.name, entry.shape, entry.dtype, entry.numel, ckpt.chunks(entry))
     scan.tensors[entry.name] = stats
     if scheme is None or not entry.is_float or stats.nonfinite:
         return
-    if (risk is None and entry.numel > 1) or scalars:
-        # A scheme the one-pass kernels do not measure, or a layer scalar to quantize with
-        # this weight: both need the whole tensor, one at a time.
-        if whole is None:
-            whole = ckpt.array(entry)
-        if risk is None and entry.numel > 1:
-            risk = quant_risk(whole, scheme)
-        for name, value in scalars:
-            scan.joint[name] = (entry.name, joint_risk(value, whole, scheme))
+    # A scheme the one-pass kernels do not measure, or a layer scalar to quantize with this
+    # weight: measured from more passes over the tensor, in chunks (peak memory is a few
+    # chunks, not several copies of the tensor).
+    source = checkpoint_source(ckpt, entry)
+    if risk is None and entry.numel > 1:
+        risk = stream_quant_risk(source, entry.shape, scheme)
+    for name, value in scalars:
+        scan.joint[name] = (entry.name, stream_joint_risk(value, source, entry.numel, scheme))
     if risk is not None:
         scan.quant[entry.name] = risk
 
