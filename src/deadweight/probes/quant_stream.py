@@ -52,6 +52,7 @@ from deadweight.readers.base import output_dtype
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "PIECE_ELEMENTS",
     "Source",
     "array_source",
     "checkpoint_source",
@@ -62,6 +63,10 @@ __all__ = [
 # Elements measured at once: 16 MB of float32. A batch costs about five times that in
 # numpy temporaries (|x|, the partitioned copy, the fake-quantized copy, masks).
 CHUNK_ELEMENTS = 1 << 22
+# Elements of a block too large to hold handled at once: its passes make a few
+# temporaries of this size (keys, digits, the fake-quantized piece, float64 errors),
+# kept to a few MB so that they add little to the chunk the reader holds.
+PIECE_ELEMENTS = 1 << 20
 # Bits of the key resolved per selection pass: a 65536-bucket histogram (512 KB).
 _RADIX_BITS = 16
 _RADIX_MASK = (1 << _RADIX_BITS) - 1
@@ -193,8 +198,9 @@ def _steps(layout: _Layout, limit: int, q: float) -> Iterator[_Batch | _Piece]:
             if not large(n):
                 yield _Batch(block, 1, n)
                 continue
-            for offset in range(0, n, limit):
-                yield _Piece(block, offset, min(limit, n - offset), n)
+            piece = min(limit, PIECE_ELEMENTS)
+            for offset in range(0, n, piece):
+                yield _Piece(block, offset, min(piece, n - offset), n)
 
 
 # --- reading: the stream re-cut to the steps --------------------------------------
