@@ -151,6 +151,17 @@ def test_large_block_error_is_the_float64_definition(scheme: str) -> None:
     assert got.measured_error == pytest.approx(want, rel=1e-9)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_a_large_block_of_tiny_values_has_a_finite_error() -> None:
+    # All values below ~1e-37: the float inverse of the scale overflows, and fake
+    # quantization turns each exact zero into 0 * inf = NaN. A zero has no error.
+    values = (_weights((2, 5000), seed=8) * 1e-40).astype(np.float32)
+    values[:, ::9] = 0.0
+    got = _stream(values, Scheme.parse("int4"))
+    assert math.isfinite(got.measured_error) and got.measured_error >= 0
+
+
 def test_non_finite_values_raise_as_quant_risk_does() -> None:
     values = _weights((5000,), seed=6)
     values[4321] = np.nan

@@ -540,6 +540,9 @@ def _error_of(
         in_bulk = (data >= bounds.bulk_lo[0]) & (data <= bounds.bulk_hi[0])
         bulk = data[in_bulk]
         err = (fq[in_bulk] - bulk).astype(np.float64)
+        # An exact zero is on every grid: no error. (Where the float inverse of the scale
+        # overflows, all values below ~1e-37, fake quantization makes it 0 * inf = NaN.)
+        err[bulk == 0] = 0.0
         wide = bulk.astype(np.float64)
         err_sq += float(np.dot(err, err))
         power += float(np.dot(wide, wide))

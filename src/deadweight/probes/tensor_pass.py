@@ -4,8 +4,8 @@ Each tensor is streamed in chunks of its stored bytes (zero-copy windows of the 
 safetensors; bf16 and fp16 are converted inside the kernel, not into a buffer). Each chunk
 is cut into one piece per thread; ctypes releases the GIL, so the pieces are reduced in
 parallel. The same pass also measures the default quantization scheme (symmetric, per group
-of fewer than 1 / (1 - bulk quantile) elements) when asked; other schemes need the whole
-tensor and stay with `quant_risk`.
+of fewer than 1 / (1 - bulk quantile) elements) when asked; other schemes are measured in
+bounded chunks by `quant_stream`.
 
 `scan_tensor` returns None whenever this path does not apply (no kernels, an element type
 they do not read, a layout they do not cover); the caller then uses the numpy/torch path,
