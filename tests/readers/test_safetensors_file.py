@@ -255,3 +255,29 @@ def test_memory_stays_bounded_by_max_bytes(tmp_path: Path, dtype: torch.dtype) -
         tracemalloc.stop()
     assert peak < 1 << 20, f"peak {peak} bytes for 64 KB chunks"
     assert total == pytest.approx(float(load_file(path)["w"].double().sum()), rel=1e-6)
+
+
+def _resident_file_kb() -> int:
+    status = Path("/proc/self/status")
+    if not status.exists():
+        pytest.skip("needs /proc/self/status (Linux)")
+    line = next(li for li in status.read_text().splitlines() if li.startswith("RssFile:"))
+    return int(line.split()[1])
+
+
+def test_a_read_stopped_early_drops_its_window(tmp_path: Path) -> None:
+    # A consumer that stops reading (a selection pass that found its element) drops the
+    # generator: the window it held must leave the process's resident memory too, or
+    # every early stop leaves one window behind for the rest of the scan.
+    path = str(tmp_path / "big.safetensors")
+    save_file({"w": torch.randn(8 << 20)}, path)  # 32 MB
+    with open_checkpoint(path) as ckpt:
+        (entry,) = ckpt.entries()
+        chunks = ckpt.chunks(entry, max_bytes=32 << 20)
+        first = next(chunks)
+        assert float(first.sum(dtype=np.float64)) != 0.0  # every page touched
+        held = _resident_file_kb()
+        del first
+        chunks.close()
+        dropped = held - _resident_file_kb()
+    assert dropped > 24 << 10, f"only {dropped} KB of the 32 MB window left"

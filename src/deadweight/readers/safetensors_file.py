@@ -263,13 +263,16 @@ class SafetensorsFile(ReaderBase):
                 raise CheckpointError(
                     self.path, "the file ended early (did it change while being read?)"
                 )
-            # Zero-copy from the page cache: about 1.5x faster than readinto() a buffer.
-            yield np.frombuffer(mapped, dtype=raw_dtype, count=n, offset=position)
-            # The consumer is done with the window: drop its pages from this process
-            # (they stay in the page cache), so resident memory stays at one window.
-            start = position - position % mmap.PAGESIZE
-            if hasattr(mapped, "madvise"):
-                mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+            try:
+                # Zero-copy from the page cache: about 1.5x faster than readinto() a buffer.
+                yield np.frombuffer(mapped, dtype=raw_dtype, count=n, offset=position)
+            finally:
+                # The consumer is done with the window, or stopped reading (a closed or
+                # dropped generator): drop its pages from this process (they stay in the
+                # page cache), so resident memory stays at one window per open read.
+                start = position - position % mmap.PAGESIZE
+                if hasattr(mapped, "madvise") and not mapped.closed:
+                    mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
             position = end
             remaining -= n
 
