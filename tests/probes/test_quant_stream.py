@@ -225,7 +225,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     inspect_checkpoints([path], scheme=None)  # statistics alone: the baseline
     base = hwm()
     stats = inspect_checkpoints([path], scheme=scheme)
-    assert not stats.errors and stats.scans[0].quant, stats
+    assert not stats.errors and stats.scans[0].quant and stats.scans[0].joint, stats
     print(json.dumps({"base": base, "peak": hwm()}))
     """
 )
@@ -237,9 +237,13 @@ TENSOR_BYTES = 64 << 20
 def large_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = str(tmp_path_factory.mktemp("large") / "large.safetensors")
     gen = torch.Generator().manual_seed(0)
-    save_file(
-        {"layers.0.weight": torch.randn(4096, TENSOR_BYTES // 4 // 4096, generator=gen)}, path
-    )
+    # Two layers, each with a layer scalar quantized together with its weight: the
+    # scalar's passes stop reading early, and per channel its blocks are single elements.
+    tensors = {}
+    for i in range(2):
+        tensors[f"layers.{i}.weight"] = torch.randn(4096, TENSOR_BYTES // 4 // 4096, generator=gen)
+        tensors[f"layers.{i}.layer_scalar"] = torch.tensor([1.5])
+    save_file(tensors, path)
     return path
 
 

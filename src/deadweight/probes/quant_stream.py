@@ -52,6 +52,7 @@ from deadweight.readers.base import output_dtype
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "MAX_BLOCKS",
     "PIECE_ELEMENTS",
     "Source",
     "array_source",
@@ -63,6 +64,10 @@ __all__ = [
 # Elements measured at once: 16 MB of float32. A batch costs about five times that in
 # numpy temporaries (|x|, the partitioned copy, the fake-quantized copy, masks).
 CHUNK_ELEMENTS = 1 << 22
+# Blocks measured at once: each has a dozen numbers of its own in a batch (bounds, ratio,
+# scale, zero point, in float64), which for blocks of one element (per-channel on a 1-D
+# tensor: a layer scalar quantized with its weights) would be ten times the elements.
+MAX_BLOCKS = 1 << 18
 # Elements of a block too large to hold handled at once: its passes make a few
 # temporaries of this size (keys, digits, the fake-quantized piece, float64 errors),
 # kept to a few MB so that they add little to the chunk the reader holds.
@@ -182,11 +187,11 @@ def _steps(layout: _Layout, limit: int, q: float) -> Iterator[_Batch | _Piece]:
     rows, cols, group, per_row = layout.rows, layout.cols, layout.group, layout.per_row
     if not large(group):
         if cols <= limit:
-            step = max(1, limit // cols)
+            step = max(1, min(limit // cols, MAX_BLOCKS // per_row))
             for r in range(0, rows, step):
                 yield _Batch(r * per_row, min(step, rows - r), cols)
             return
-        step = max(1, limit // group)
+        step = max(1, min(limit // group, MAX_BLOCKS))
         for r in range(rows):
             for j in range(0, per_row, step):
                 end = min(cols, (j + step) * group)
