@@ -15,10 +15,13 @@ an error in the result, and the others are still measured.
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -29,6 +32,31 @@ from deadweight.probes.quantization import QuantRisk, Scheme
 from deadweight.probes.tensor_pass import default_threads, scan_tensor
 from deadweight.probes.tensor_stats import TensorStats, tensor_stats
 from deadweight.readers import Checkpoint, CheckpointError, TensorEntry, open_checkpoint, step_of
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _cycle_collector_paused(fn: _F) -> _F:
+    """Run `fn` with Python's cycle collector off (back on after, if it was on).
+
+    A full collection walks every object the process holds, and torch alone holds
+    hundreds of thousands: the first one due in a fresh process (as in a CLI run) took
+    79 ms of a 370 ms scan of 2.15 GB here. Reading checkpoints makes no reference
+    cycles worth collecting; what it frees, reference counting frees.
+    """
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_on:
+                gc.enable()
+
+    return cast(_F, paused)
+
 
 Progress = Callable[[str, int], None]  # (what, bytes done) after each tensor
 
@@ -198,6 +226,7 @@ def _layer_prefix(name: str) -> str:
     return template.split("{}")[0] + str(index)
 
 
+@_cycle_collector_paused
 def inspect_checkpoints(
     paths: Sequence[str],
     *,
@@ -223,6 +252,7 @@ def inspect_checkpoints(
     return stats
 
 
+@_cycle_collector_paused
 def diff_checkpoints(a: str, b: str, *, unsafe_pickle: bool = False) -> DiffStats:
     stats = DiffStats(a, b)
     left = _open(a, unsafe_pickle, stats.errors)
@@ -289,6 +319,7 @@ def _compare(
     return TensorDiff(name, equal, relative, max_abs)
 
 
+@_cycle_collector_paused
 def trend_checkpoints(paths: Sequence[str], *, unsafe_pickle: bool = False) -> TrendStats:
     ordered = sorted(paths, key=lambda p: (step_of(p) is None, step_of(p) or 0))
     stats = TrendStats(list(ordered), [step_of(p) for p in ordered])
