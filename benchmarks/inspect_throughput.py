@@ -14,6 +14,8 @@ resident memory (VmHWM):
 * inspect+int4: the default `inspect`, with the quantization analysis (int4 per
          group of 128), here also for every layer scalar quantized with its layer's
          weight;
+* inspect+channel, inspect+tensor: `inspect` with a scheme the kernels do not measure
+         (int8 per channel, int4 per tensor), streamed in bounded chunks by numpy;
 * inspect-fallback: `inspect` without the native kernels (DEADWEIGHT_NATIVE=0):
          numpy and torch only, what a machine without a C compiler gets;
 * peer:  `safetensors.torch.load_file` and per-tensor torch statistics.
@@ -74,6 +76,14 @@ VARIANTS = {
     "inspect+int4": """
         import deadweight
         deadweight.inspect_checkpoints([PATH])
+    """,
+    "inspect+channel": """
+        import deadweight
+        deadweight.inspect_checkpoints([PATH], scheme="int8-channel")
+    """,
+    "inspect+tensor": """
+        import deadweight
+        deadweight.inspect_checkpoints([PATH], scheme="int4-tensor")
     """,
     "inspect-fallback": """
         import deadweight
@@ -148,15 +158,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gb", type=float, default=2.1)
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated subset (raw and raw-2t always run: the ratios need them)",
+    )
     args = parser.parse_args()
+    chosen = ["raw", "raw-2t"] + [
+        v for v in args.variants.split(",") if v in VARIANTS and v not in ("raw", "raw-2t")
+    ]
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     with tempfile.TemporaryDirectory(prefix="dw-bench-inspect-") as directory:
         for dtype in (torch.float32, torch.bfloat16):
             path, largest = make_file(directory, dtype, args.gb)
             size = os.path.getsize(path)
             run("raw", path)  # warm the page cache
-            results: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+            results: dict[str, list[dict[str, float]]] = {v: [] for v in chosen}
             for _ in range(args.rounds):
-                for variant in VARIANTS:
+                for variant in chosen:
                     results[variant].append(run(variant, path))
             budget = 2 * largest / 2**20 + 200
             print(
