@@ -163,24 +163,35 @@ def drift_watch(
     return out
 
 
+def _sharded_drift(world: int) -> tuple[Any, torch.optim.Optimizer, torch.Generator]:
+    """The drift model sharded over the ranks, plain AdamW, and the batch generator."""
+    torch.manual_seed(0)
+    setup = layer_scalar_drift.make_watchable()
+    _shard(setup.model, world, list(setup.model.blocks))
+    opt = torch.optim.AdamW(setup.model.parameters(), lr=1e-3)
+    return setup, opt, torch.Generator().manual_seed(1)
+
+
+def _train_step(
+    setup: Any, opt: torch.optim.Optimizer, gen: torch.Generator, rank: int, world: int
+) -> None:
+    idx = torch.randint(0, setup.x.shape[0], (GLOBAL_BATCH,), generator=gen)
+    x, y = _slice(setup.x[idx], rank, world), _slice(setup.y[idx], rank, world)
+    opt.zero_grad(set_to_none=True)
+    F.mse_loss(setup.model(x), y).backward()
+    opt.step()
+
+
 def watch_one_rank_missing(rank: int, world: int) -> dict[str, Any]:
     """Only rank 0 watches: its combining collective must time out, not hang training."""
     import time
 
-    torch.manual_seed(0)
-    setup = layer_scalar_drift.make_watchable()
+    setup, opt, gen = _sharded_drift(world)
     model = setup.model
-    _shard(model, world, list(model.blocks))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1)
 
     def train(steps: int) -> None:
         for _ in range(steps):
-            idx = torch.randint(0, setup.x.shape[0], (GLOBAL_BATCH,), generator=gen)
-            x, y = _slice(setup.x[idx], rank, world), _slice(setup.y[idx], rank, world)
-            opt.zero_grad(set_to_none=True)
-            F.mse_loss(model(x), y).backward()
-            opt.step()
+            _train_step(setup, opt, gen, rank, world)
 
     start = time.monotonic()
     if rank != 0:
@@ -289,23 +300,14 @@ def rank_dies(rank: int, world: int, out: str) -> dict[str, Any]:
     import os
     from pathlib import Path
 
-    torch.manual_seed(0)
-    setup = layer_scalar_drift.make_watchable()
-    model = setup.model
-    _shard(model, world, list(model.blocks))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1)
+    setup, opt, gen = _sharded_drift(world)
     trained, error = 0, None
-    with deadweight.watch(model, opt, every=10, log=Path(out, "run.jsonl")) as w:
+    with deadweight.watch(setup.model, opt, every=10, log=Path(out, "run.jsonl")) as w:
         try:
             for step in range(40):
                 if step == 25 and rank == world - 1:
                     os._exit(3)
-                idx = torch.randint(0, setup.x.shape[0], (GLOBAL_BATCH,), generator=gen)
-                x, y = _slice(setup.x[idx], rank, world), _slice(setup.y[idx], rank, world)
-                opt.zero_grad(set_to_none=True)
-                F.mse_loss(model(x), y).backward()
-                opt.step()
+                _train_step(setup, opt, gen, rank, world)
                 trained += 1
         except Exception as exc:  # FSDP2's own collective lost its peer
             error = f"{type(exc).__name__}: {exc}".splitlines()[0]
