@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,21 @@ class Tiny(pl.LightningModule):  # type: ignore[misc]
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def fit(module: Any, callback: DeadweightCallback, *, logger: Any = False, steps: int = 60) -> Any:
+def fit(
+    module: Any,
+    callback: DeadweightCallback,
+    *,
+    logger: Any = False,
+    steps: int = 60,
+    samples: int = 64,
+    before: Sequence[Any] = (),
+    **options: Any,
+) -> Any:
+    """A quiet CPU Trainer fitting `module` on `samples` random rows, batches of 8; the
+    `before` callbacks run ahead of deadweight's, `options` go to the Trainer."""
     data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=8
+        torch.utils.data.TensorDataset(torch.randn(samples, 8), torch.randn(samples, 1)),
+        batch_size=8,
     )
     trainer = pl.Trainer(
         max_steps=steps,
@@ -62,7 +75,8 @@ def fit(module: Any, callback: DeadweightCallback, *, logger: Any = False, steps
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[callback],
+        callbacks=[*before, callback],
+        **options,
     )
     trainer.fit(module, data)
     return trainer
@@ -113,18 +127,7 @@ def test_gradient_seen_is_this_steps_gradient() -> None:
             seen.append(float(pl_module.scale.grad.norm()))
 
     dw = DeadweightCallback(every=1)
-    data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=8
-    )
-    pl.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Spy(), dw],
-    ).fit(module, data)
+    fit(module, dw, steps=2, samples=16, before=[Spy()])
     assert dw.watch is not None
     recorded = dw.watch.stats.params["scale"].series.grad_rms
     assert recorded == pytest.approx(seen, rel=1e-6)
@@ -140,19 +143,8 @@ def test_exception_leaves_no_hooks() -> None:
             nonlocal trainer
             trainer = t
 
-    data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=8
-    )
     with pytest.raises(RuntimeError, match="boom at step 7"):
-        pl.Trainer(
-            max_steps=60,
-            accelerator="cpu",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[Keep(), dw],
-        ).fit(module, data)
+        fit(module, dw, before=[Keep()])
     assert hooks_left(trainer) == 0
     assert dw.report is not None
     assert dw.report.subject["end"] == "raised RuntimeError: boom at step 7"
@@ -217,19 +209,7 @@ class Recording(Tiny):
 def test_the_loss_of_each_batch_is_recorded_at_its_step(accumulate: int) -> None:
     module = Recording()
     dw = DeadweightCallback(every=10)
-    data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=8
-    )
-    pl.Trainer(
-        max_steps=12,
-        accelerator="cpu",
-        logger=False,
-        accumulate_grad_batches=accumulate,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[dw],
-    ).fit(module, data)
+    fit(module, dw, steps=12, accumulate_grad_batches=accumulate)
     assert dw.watch is not None
     stats = dw.watch.stats
     # Every micro-batch's loss, undivided by the accumulation, at the step it fed.
