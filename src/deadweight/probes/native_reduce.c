@@ -330,6 +330,13 @@ static void tops_d(double part[GROUP_BATCH][4], const double *tails, double *top
     }
 }
 
+/* Whether every lane of a batch mask is set: then no lane needs the slow exact search. */
+static inline int every_lane(vbm m) {
+    int all = 1;
+    for (int j = 0; j < GROUP_BATCH; j++) all &= m[j] != 0;
+    return all;
+}
+
 static void grids_f(const float *tops, double qmax, float *invs, float *bounds, int nb) {
     vbf top;
     memcpy(&top, tops, sizeof top);
@@ -348,9 +355,7 @@ static void grids_f(const float *tops, double qmax, float *invs, float *bounds, 
     memcpy(invs, &inv, sizeof inv);
     const vbu b = t & (vbu)exact;
     memcpy(bounds, &b, sizeof b);
-    int all = 1;
-    for (int j = 0; j < GROUP_BATCH; j++) all &= exact[j] != 0;
-    if (!all)
+    if (!every_lane(exact))
         for (int j = 0; j < nb; j++)
             if (!exact[j]) bounds[j] = zero_bound_f(inv[j]);
 }
@@ -510,8 +515,6 @@ static inline void vload2_bf16(const uint16_t *x, int64_t i, vf *a, vf *b) {
         sz += ((v) == 0);                                                                   \
     } while (0)
 
-/* Adds the accumulators of `n` elements into *m; `ok` becomes 0 when they held NaN/Inf (or
- * squares beyond float range) and the caller must redo those elements with the slow path. */
 /* The lanes of a flush's accumulators, taken by value so that the accumulators themselves
  * are never indexed by lane (which would keep them in memory instead of registers), and
  * reduced as vectors: a flush's sums are not one long chain of scalar additions. */
@@ -568,6 +571,8 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
 #define LANES(OP, t, a, b) _Generic((a), vf: lanes_##OP##_vf, vd: lanes_##OP##_vd)(t, a, b)
 #define LANES_COUNT(a, b) _Generic((a), vfm: lanes_count_vfm, vdm: lanes_count_vdm)(a, b)
 
+/* Adds the accumulators of `n` elements into *m; `ok` becomes 0 when they held NaN/Inf (or
+ * squares beyond float range) and the caller must redo those elements with the slow path. */
 #define ACC_FLUSH(W, n, ok)                                                                 \
     do {                                                                                    \
         const double fs = LANES(sum, ss, s, s2), fq = LANES(sum, sq, q, q2);                \
@@ -660,8 +665,10 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
             V v, w;                                                                         \
             VLOAD2(p, k, &v, &w);                                                           \
             const VM nv = (VM)(v != zero), nw = (VM)(w != zero);                            \
-            o += COUNT_MASK(nv & (VM)(ABS(v * vi) <= half)) + COUNT_MASK(nw & (VM)(ABS(w * vi) <= half));\
-            jn += COUNT_MASK(nv & (VM)(ABS(v * vj) <= half)) + COUNT_MASK(nw & (VM)(ABS(w * vj) <= half));\
+            o += COUNT_MASK(nv & (VM)(ABS(v * vi) <= half));                                \
+            o += COUNT_MASK(nw & (VM)(ABS(w * vi) <= half));                                \
+            jn += COUNT_MASK(nv & (VM)(ABS(v * vj) <= half));                               \
+            jn += COUNT_MASK(nw & (VM)(ABS(w * vj) <= half));                               \
             const V a = ABS(v), b = ABS(w);                                                 \
             n += COUNT_MASK((VM)(a + a >= vt)) + COUNT_MASK((VM)(b + b >= vt));             \
         }                                                                                   \
@@ -680,7 +687,7 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
         const VAL last = LOAD(p, len - 1);                                                  \
         const VAL al = last < 0 ? -last : last, ap = pv < 0 ? -pv : pv;                     \
         VAL top_rest = top; /* largest magnitude of p[0 .. len-2] */                        \
-        if (al == top) { /* the last is the top: the others' largest, or top if it recurs */\
+        if (al == top) { /* the last is the top: the others' largest, or top again */      \
             int64_t at_top;                                                                 \
             const VAL below = below_top_##NAME(p, len, top, &at_top);                       \
             top_rest = at_top >= 2 ? top : below;                                           \
@@ -845,9 +852,7 @@ static void words_bf16(const float *tops, const float *bounds, uint32_t *words, 
                       (vbm)(top <= 0x1.fep127f);
     const vbu both = lo | hi << 16;
     memcpy(words, &both, sizeof both);
-    int all = 1;
-    for (int j = 0; j < GROUP_BATCH; j++) all &= exact[j] != 0;
-    if (!all)
+    if (!every_lane(exact))
         for (int j = 0; j < nb; j++)
             if (!exact[j]) words[j] = lo[j] | (uint32_t)bf16_near_word(tops[j]) << 16;
 }
