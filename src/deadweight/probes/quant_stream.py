@@ -44,6 +44,7 @@ from deadweight.probes.quantization import (
     central_ranks,
     fake_quantize_blocks,
     is_tiny,
+    range_bounds,
     risk_from_measures,
     risk_of_worst_block,
 )
@@ -416,12 +417,8 @@ def _first_pass_piece(block: _LargeBlock, data: np.ndarray, symmetric: bool) -> 
 def _grid_of(block: _LargeBlock, symmetric: bool) -> Bounds:
     """The block's grid bounds, as block_bounds gives them (bulk = whole range)."""
     assert block.dtype is not None
-    high = np.array([block.high], dtype=block.dtype)
-    if symmetric:
-        return Bounds(-high, high, -high, high)
-    low = np.minimum(np.array([block.low], dtype=block.dtype), 0)
-    high = np.maximum(high, 0)
-    return Bounds(low, high, low, high)
+    low, high = (np.array([v], dtype=block.dtype) for v in (block.low, block.high))
+    return range_bounds(low, high, symmetric)
 
 
 def _bounds_of(block: _LargeBlock, symmetric: bool) -> Bounds:

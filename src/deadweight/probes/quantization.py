@@ -89,6 +89,7 @@ __all__ = [
     "is_tiny",
     "joint_risk",
     "quant_risk",
+    "range_bounds",
     "risk_from_measures",
     "risk_of_worst_block",
     "verdict_for",
@@ -313,8 +314,17 @@ def _range_bounds(blocks: np.ndarray, symmetric: bool) -> Bounds:
     """The grid's bounds alone (bulk = whole block): all fake_quantize needs."""
     if symmetric:
         top = np.abs(blocks).max(axis=1)
-        return Bounds(-top, top, -top, top)
-    lo, hi = np.minimum(blocks.min(axis=1), 0), np.maximum(blocks.max(axis=1), 0)
+        return range_bounds(top, top, True)
+    return range_bounds(blocks.min(axis=1), blocks.max(axis=1), False)
+
+
+def range_bounds(low: np.ndarray, high: np.ndarray, symmetric: bool) -> Bounds:
+    """Grid bounds with the bulk = the whole block, from each block's smallest and largest
+    value (asymmetric: the grid is widened to hold 0), or its largest magnitude `high`
+    (symmetric: `low` is not used)."""
+    if symmetric:
+        return Bounds(-high, high, -high, high)
+    lo, hi = np.minimum(low, 0), np.maximum(high, 0)
     return Bounds(lo, hi, lo, hi)
 
 
