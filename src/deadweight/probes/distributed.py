@@ -212,6 +212,11 @@ def holds_dtensors(params: Sequence[torch.Tensor]) -> bool:
     return any(hasattr(p, "to_local") and hasattr(p, "placements") for p in params)
 
 
+def _layout(t: torch.Tensor) -> tuple[Any, Any]:
+    """A DTensor's (placements, device mesh); (None, None) for a plain tensor."""
+    return getattr(t, "placements", None), getattr(t, "device_mesh", None)
+
+
 def share_of_sum(t: torch.Tensor, world_size: int) -> float:
     """The weight of this rank's local sums in a sum over all ranks.
 
@@ -219,8 +224,7 @@ def share_of_sum(t: torch.Tensor, world_size: int) -> float:
     ranks, so a plain sum over the world counts each element world / k times; a
     plain tensor is a full copy on every rank (counted world times).
     """
-    placements = getattr(t, "placements", None)
-    mesh = getattr(t, "device_mesh", None)
+    placements, mesh = _layout(t)
     if placements is None or mesh is None:
         return 1.0 / world_size
     sharded_over = 1
@@ -238,8 +242,7 @@ def one_copy_ranks(t: torch.Tensor) -> list[int]:
     it is not sharded over are one such group, in mesh order along the sharded
     dimension. A plain tensor is whole on every rank: [0].
     """
-    placements = getattr(t, "placements", None)
-    mesh = getattr(t, "device_mesh", None)
+    placements, mesh = _layout(t)
     if placements is None or mesh is None:
         return [0]
     index = tuple(slice(None) if p.is_shard() else 0 for p in placements)
@@ -253,8 +256,7 @@ def replica_ranks(t: torch.Tensor) -> tuple[int, ...] | None:
     sharded over and differ along the others: HSDP's replicate dimension, or
     nobody else (just this rank) under plain FSDP2. None for a plain tensor.
     """
-    placements = getattr(t, "placements", None)
-    mesh = getattr(t, "device_mesh", None)
+    placements, mesh = _layout(t)
     if placements is None or mesh is None:
         return None
     coordinate = mesh.get_coordinate()
