@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,3 +164,161 @@ def test_kernels_refuse_arrays_they_cannot_read() -> None:
             "f32", np.zeros(10, np.float32), 4, 4, 7, 0, 0.0,
             native_reduce.Moments.empty(), native_reduce.Groups.empty(),
         )  # fmt: skip
+
+
+def _loaded() -> native_reduce.Kernels:
+    loaded = native_reduce.kernels()
+    if loaded is None:
+        pytest.skip("no kernels here")
+    return loaded
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    """float32 values (already bf16-exact or not) as bf16 words, truncated."""
+    return (np.asarray(values, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _bf16_values(words: np.ndarray) -> np.ndarray:
+    return (words.astype(np.uint32) << 16).view(np.float32)
+
+
+def _groups(
+    kernels: native_reduce.Kernels, words: np.ndarray, fast: bool, shift: float = 0.0
+) -> tuple[native_reduce.Moments, native_reduce.Groups, native_reduce.Groups]:
+    m, g, gj = (native_reduce.Moments.empty(), native_reduce.Groups.empty(),
+                native_reduce.Groups.empty())  # fmt: skip
+    kernels.groups("bf16", words, 128, 128, 7, 0, shift, m, g, words[:1], gj, fast=fast)
+    return m, g, gj
+
+
+BF16_CASES = {
+    "centred": lambda rng: rng.standard_normal(96 * 128) * 0.02,
+    "all negative": lambda rng: -np.abs(rng.standard_normal(96 * 128)) - 0.01,
+    "all positive": lambda rng: np.abs(rng.standard_normal(96 * 128)) + 0.01,
+    "negative zeros": lambda rng: np.where(rng.random(96 * 128) < 0.9, -0.0, -1.5),
+    "zeros of both signs": lambda rng: np.where(
+        rng.random(96 * 128) < 0.5, 0.0, np.where(rng.random(96 * 128) < 0.5, -0.0, 2.0)
+    ),
+    "one sign per flush": lambda rng: (
+        np.repeat(rng.choice([-1.0, 1.0], 6), 16 * 128)
+        * (np.abs(rng.standard_normal(96 * 128)) + 0.5)
+    ),
+    "outliers": lambda rng: (
+        rng.standard_normal(96 * 128) * np.where(np.arange(96 * 128) % 300 == 7, 80.0, 1.0)
+    ),
+    "huge": lambda rng: rng.standard_normal(96 * 128) * 1e30,
+}
+
+
+@pytest.mark.parametrize("case", list(BF16_CASES))
+def test_bf16_dot_product_path_agrees_with_float64_and_the_float_lanes(case: str) -> None:
+    """bf16 groups of 128 are summed by the CPU's bf16 dot product and their extremes taken
+    on the 16-bit words. Against float64, and against the float-lane path of the same
+    build, every count and extreme is exact."""
+    kernels = _loaded()
+    words = _bf16(BF16_CASES[case](np.random.default_rng(8)))
+    ref = _bf16_values(words).astype(np.float64)
+    fast, lanes = _groups(kernels, words, True), _groups(kernels, words, False)
+    m = fast[0]
+    assert (m.count, m.nonfinite, m.zeros) == (ref.size, 0, int(np.count_nonzero(ref == 0)))
+    assert (m.min, m.max) == (ref.min(), ref.max())
+    scale = float(np.sqrt(np.mean(ref * ref))) or 1.0
+    assert m.sum == pytest.approx(ref.sum(), abs=1e-6 * scale * ref.size)
+    assert m.squares == pytest.approx(float(np.sum(ref * ref)), rel=1e-6)
+    for a, b in zip(fast, lanes, strict=True):
+        for field in ("min", "max", "count", "zeros", "nonfinite", "worst_ratio", "worst_block",
+                      "zero_rounded"):  # fmt: skip
+            assert getattr(a, field, None) == getattr(b, field, None), (field, case)
+
+
+@pytest.mark.parametrize("position", [0, 5, 2047, 2048, 9000, 96 * 128 - 1])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_bf16_dot_product_path_redoes_a_flush_with_nan_or_inf(position: int, bad: float) -> None:
+    kernels = _loaded()
+    values = np.random.default_rng(2).standard_normal(96 * 128) * 0.02
+    values[position] = bad
+    words = _bf16(values)
+    ref = _bf16_values(words).astype(np.float64)
+    finite = ref[np.isfinite(ref)]
+    m, _, _ = _groups(kernels, words, True)
+    assert (m.count, m.nonfinite) == (finite.size, 1)
+    assert (m.min, m.max, m.zeros) == (
+        finite.min(),
+        finite.max(),
+        int(np.count_nonzero(finite == 0)),
+    )
+    assert m.sum == pytest.approx(finite.sum(), abs=1e-9)
+    assert m.squares == pytest.approx(float(np.sum(finite * finite)), rel=1e-6)
+
+
+def test_bf16_dot_product_path_reads_subnormals_as_zero_in_its_sums() -> None:
+    """VDPBF16PS treats subnormal inputs as 0: sums of subnormal bf16 (below 1.2e-38) are
+    lost, everything else (extremes, zeros, grids) still counts them. This also shows the
+    path is taken where the CPU has it."""
+    kernels = _loaded()
+    if not kernels.fast_bf16:
+        pytest.skip("this CPU has no bf16 dot product")
+    values = np.random.default_rng(4).standard_normal(32 * 128) * 1e-39
+    words = _bf16(values)
+    ref = _bf16_values(words).astype(np.float64)
+    fast, lanes = _groups(kernels, words, True), _groups(kernels, words, False)
+    assert fast[0].sum == 0.0 and lanes[0].sum != 0.0
+    assert abs(fast[0].sum - ref.sum()) < 1.2e-38 * ref.size
+    assert (fast[0].min, fast[0].max, fast[0].zeros) == (
+        ref.min(),
+        ref.max(),
+        int(np.count_nonzero(ref == 0)),
+    )
+    assert (fast[1].worst_ratio, fast[1].worst_block, fast[1].zero_rounded) == (
+        lanes[1].worst_ratio, lanes[1].worst_block, lanes[1].zero_rounded)  # fmt: skip
+
+
+@pytest.mark.parametrize("qmax", [7, 127, 1])
+def test_bf16_grid_table_is_the_rounding_grid_of_every_magnitude(qmax: int) -> None:
+    """Entry 2w: the largest word rounding to 0 (|v| * inv <= 0.5 in float32, as fake
+    quantization multiplies) and the smallest word with 2|v| >= top, for the top whose word
+    is w; entry 2w + 1: inv = float32(1 / (top / qmax)). Found here by bisection over the
+    words, for every finite top, subnormals included."""
+    kernels = _loaded()
+    table = kernels.grid_table(qmax)
+    tops_w = np.arange(0x7F80, dtype=np.uint32)
+    tops = _bf16_values(tops_w)
+    scale = tops.astype(np.float64) / qmax
+    scale = np.where(scale > 0, scale, 1.0)
+    with np.errstate(over="ignore"):
+        inv = (1.0 / scale).astype(np.float32)
+
+    def largest(predicate: object) -> np.ndarray:
+        # the largest word w in [0, 0x7f80) with predicate(w) (a prefix of the words), else 0
+        lo = np.zeros(tops.size, np.int64)
+        hi = np.full(tops.size, 0x7F80, np.int64)
+        while np.any(hi - lo > 1):
+            mid = (lo + hi) // 2
+            ok = predicate(mid)  # type: ignore[operator]
+            lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid)
+        return lo
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        zero_word = largest(lambda w: _bf16_values(w.astype(np.uint16)) * inv <= np.float32(0.5))
+        below_half = largest(lambda w: _bf16_values(w.astype(np.uint16)) * np.float32(2) < tops)
+    near_word = np.where(tops > 0, below_half + 1, 0)
+    got_words = table[0::2][: tops.size]
+    assert np.array_equal(got_words & 0xFFFF, zero_word)
+    assert np.array_equal(got_words >> 16, near_word)
+    assert np.array_equal(table[1::2][: tops.size], inv.view(np.uint32))
+
+
+@pytest.mark.parametrize("mean", [0.0, 1.0, -3.7, 250.0])
+def test_bf16_dot_product_squares_are_moved_to_the_shift_exactly_enough(mean: float) -> None:
+    """The dot products square about 0; each flush moves the squares to the shift in
+    double. A spread 1e-2 of the mean (mean^2 / variance 10^4) keeps float64's std."""
+    kernels = _loaded()
+    rng = np.random.default_rng(6)
+    spread = 0.01 * abs(mean) if mean else 0.02
+    words = _bf16(mean + spread * rng.standard_normal(64 * 128))
+    ref = _bf16_values(words).astype(np.float64)
+    shift = float(np.float32(ref[:4096].mean()))
+    m, _, _ = _groups(kernels, words, True, shift)
+    variance = m.squares / m.count - (m.sum / m.count - shift) ** 2
+    assert math.sqrt(variance) == pytest.approx(ref.std(), rel=1e-6)
+    assert m.sum / m.count == pytest.approx(ref.mean(), abs=1e-7 * abs(mean) + 1e-9)

@@ -161,6 +161,21 @@ def test_joint_blocks_that_lose_their_top_count_exactly(
         assert want.range_ratio > 4  # the joint blocks' top is alone: the bulk is below it
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["tie", "lone", "bigger-before"])
+def test_joint_blocks_in_long_pieces_count_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str, kind: str
+) -> None:
+    # Pieces of many batches: after a piece's first batch the usual joint blocks are counted
+    # together, from bit masks, and only the others one by one.
+    monkeypatch.setattr(tensor_pass, "CHUNK_ELEMENTS", 1 << 20)
+    monkeypatch.setattr(tensor_pass, "MIN_PIECE", 1 << 12)
+    tensor = _blocks_losing_their_top(kind, 128, 400, seed=13).to(DTYPES[dtype])
+    result, whole = _scan(tmp_path, tensor, "int4-group128", [("s", 0.001)])
+    assert result.joint is not None
+    _same_risk(result.joint["s"], joint_risk(0.001, whole, Scheme.parse("int4-group128")))
+
+
 def test_joint_falls_back_when_rows_are_not_whole_groups(tmp_path: Path) -> None:
     result, _ = _scan(tmp_path, _weights((33, 100), 1).float(), "int4-group16", [("s", 5.0)])
     assert result.risk is not None and result.joint is None  # the caller reads it whole
@@ -181,12 +196,32 @@ def test_statistics_match_float64(tmp_path: Path, dtype: str, scheme: str | None
     assert stats.std == pytest.approx(ref.std(), rel=1e-6)
 
 
-def test_small_spread_around_a_large_mean_keeps_its_std(tmp_path: Path) -> None:
-    # A norm gain of 1.0 +- 1e-4: squares about a shift near the mean, not about 0.
+@pytest.mark.parametrize(
+    ("dtype", "spread", "scheme"),
+    [("float32", 1e-4, None), ("bfloat16", 0.02, None), ("bfloat16", 0.02, "int4-group128")],
+)
+def test_small_spread_around_a_large_mean_keeps_its_std(
+    tmp_path: Path, dtype: str, spread: float, scheme: str | None
+) -> None:
+    # A norm gain of 1.0 +- a little: squares about a shift near the mean, not about 0
+    # (bf16's dot-product path moves its squares about 0 to that shift in double).
     gen = torch.Generator().manual_seed(0)
-    tensor = 1.0 + 1e-4 * torch.randn(20000, generator=gen)
-    result, whole = _scan(tmp_path, tensor, None)
+    tensor = (1.0 + spread * torch.randn(128 * 160, generator=gen)).to(DTYPES[dtype])
+    result, whole = _scan(tmp_path, tensor, scheme)
     assert result.stats.std == pytest.approx(float(whole.astype(np.float64).std()), rel=1e-5)
+
+
+def test_centred_bf16_matches_float64(tmp_path: Path) -> None:
+    tensor = _weights((64, 384), 12).bfloat16()
+    result, whole = _scan(tmp_path, tensor, "int4-group128")
+    ref = whole.astype(np.float64).reshape(-1)
+    stats = result.stats
+    assert (stats.min, stats.max) == (ref.min(), ref.max())
+    assert stats.zeros == int(np.count_nonzero(ref == 0))
+    assert stats.mean == pytest.approx(ref.mean(), abs=1e-6 * float(np.sqrt(np.mean(ref * ref))))
+    assert stats.std == pytest.approx(ref.std(), rel=1e-6)
+    assert result.risk is not None
+    _same_risk(result.risk, quant_risk(whole, Scheme.parse("int4-group128")))
 
 
 def test_nan_and_inf_are_counted_and_the_rest_is_measured(tmp_path: Path) -> None:

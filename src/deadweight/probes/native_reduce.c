@@ -17,6 +17,8 @@
  * those of deadweight/probes/quantization.py, element for element. Groups go in batches: the
  * grids of a batch are computed together in vectors while the previous batch's second pass
  * runs, and counts come from compare masks as scalars, so a group needs no horizontal sum.
+ * bf16 groups of 128 have a path of their own where the CPU has bf16 dot products
+ * (fast_bf16), with their grids looked up in a table of every bf16 magnitude's grid.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,6 +29,7 @@
 #define FLUSH 2048
 /* Groups whose grids are computed together between their two passes. */
 #define GROUP_BATCH 16
+_Static_assert(GROUP_BATCH <= 32, "a batch's lanes are bits of a uint32_t (joint_batch)");
 
 typedef struct {
     double sum;     /* finite elements */
@@ -572,12 +575,14 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
 #define LANES_COUNT(a, b) _Generic((a), vfm: lanes_count_vfm, vdm: lanes_count_vdm)(a, b)
 
 /* Adds the accumulators of `n` elements into *m; `ok` becomes 0 when they held NaN/Inf (or
- * squares beyond float range) and the caller must redo those elements with the slow path. */
-#define ACC_FLUSH(W, n, ok)                                                                 \
+ * squares beyond float range) and the caller must redo those elements with the slow path.
+ * EXTRA may add other accumulators of the same elements into fs, fq, flo, fhi and fz. */
+#define ACC_FLUSH(W, n, ok, EXTRA)                                                          \
     do {                                                                                    \
-        const double fs = LANES(sum, ss, s, s2), fq = LANES(sum, sq, q, q2);                \
-        const double flo = LANES(min, slo, lo, lo2), fhi = LANES(max, shi, hi, hi2);        \
-        const int64_t fz = sz + LANES_COUNT(z, z2);                                         \
+        double fs = LANES(sum, ss, s, s2), fq = LANES(sum, sq, q, q2);                      \
+        double flo = LANES(min, slo, lo, lo2), fhi = LANES(max, shi, hi, hi2);              \
+        int64_t fz = sz + LANES_COUNT(z, z2);                                               \
+        EXTRA;                                                                              \
         ok = isfinite(fs) && isfinite(fq) && isfinite(flo) && isfinite(fhi);                \
         if (ok) {                                                                           \
             m->count += (n);                                                                \
@@ -588,6 +593,124 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
             if (fhi > m->max) m->max = fhi;                                                 \
         }                                                                                   \
     } while (0)
+
+/*
+ * bf16 groups of 128 with the CPU's bf16 dot product (AVX512-BF16). VDPBF16PS multiplies
+ * pairs of bf16 exactly into float and adds them: x * 1 gives the sum, x * x the squares
+ * about 0, which each flush moves to the shift in double (sum((x - c)^2) = sum(x^2) -
+ * 2c sum(x) + n c^2). That loses nothing the float lanes keep: a product of two bf16 has
+ * 16 significant bits, so a lane's 128 products of one binade add up exactly in float, and
+ * the cancellation happens in double. It reads subnormal inputs as 0 (a change below 1e-38
+ * per element in the sums). Minimum, maximum, each group's largest magnitude and the zeros
+ * are integer operations on the 16-bit words, 32 per instruction: the words of values that
+ * are not negative order like signed integers, the others like unsigned ones (larger is
+ * more negative), and a magnitude (sign cleared) orders like its value. A flush whose sums
+ * are not finite held NaN/Inf (any of them makes the sum NaN or infinite) and is redone by
+ * the slow path, as in the float lanes.
+ */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64
+typedef struct {
+    __m512 s0, s1, q0, q1; /* the flush's sums and squares */
+    __m512i smax, umax, umin; /* the flush's words: signed maximum, unsigned both */
+    int64_t zeros;
+    int groups; /* groups in the flush */
+} fast_acc;
+static inline void fast_init(fast_acc *a) {
+    a->s0 = a->s1 = a->q0 = a->q1 = _mm512_setzero_ps();
+    a->smax = _mm512_set1_epi16(INT16_MIN);
+    a->umax = _mm512_setzero_si512();
+    a->umin = _mm512_set1_epi16(-1);
+    a->zeros = 0;
+    a->groups = 0;
+}
+static inline int fast_none(const void *p, fast_acc *a, void *part) {
+    (void)p, (void)a, (void)part;
+    return 0;
+}
+/* Adds the group of 128 at p; with p NULL, says that this build has the path. */
+static inline int fast_bf16(const uint16_t *p, fast_acc *a, float *part) {
+    if (p == NULL) return 1;
+    const __m512i mag = _mm512_set1_epi16(0x7fff);
+    const __m512bh one = (__m512bh)_mm512_set1_epi16(0x3f80);
+    const __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 32);
+    const __m512i w2 = _mm512_loadu_si512(p + 64), w3 = _mm512_loadu_si512(p + 96);
+    a->s0 = _mm512_dpbf16_ps(a->s0, (__m512bh)w0, one);
+    a->q0 = _mm512_dpbf16_ps(a->q0, (__m512bh)w0, (__m512bh)w0);
+    a->s1 = _mm512_dpbf16_ps(a->s1, (__m512bh)w1, one);
+    a->q1 = _mm512_dpbf16_ps(a->q1, (__m512bh)w1, (__m512bh)w1);
+    a->s0 = _mm512_dpbf16_ps(a->s0, (__m512bh)w2, one);
+    a->q0 = _mm512_dpbf16_ps(a->q0, (__m512bh)w2, (__m512bh)w2);
+    a->s1 = _mm512_dpbf16_ps(a->s1, (__m512bh)w3, one);
+    a->q1 = _mm512_dpbf16_ps(a->q1, (__m512bh)w3, (__m512bh)w3);
+    const __m512i s01 = _mm512_max_epi16(w0, w1), s23 = _mm512_max_epi16(w2, w3);
+    a->smax = _mm512_max_epi16(a->smax, _mm512_max_epi16(s01, s23));
+    const __m512i u01 = _mm512_max_epu16(w0, w1), u23 = _mm512_max_epu16(w2, w3);
+    a->umax = _mm512_max_epu16(a->umax, _mm512_max_epu16(u01, u23));
+    const __m512i n01 = _mm512_min_epu16(w0, w1), n23 = _mm512_min_epu16(w2, w3);
+    a->umin = _mm512_min_epu16(a->umin, _mm512_min_epu16(n01, n23));
+    const __m512i m0 = _mm512_and_si512(w0, mag), m1 = _mm512_and_si512(w1, mag);
+    const __m512i m2 = _mm512_and_si512(w2, mag), m3 = _mm512_and_si512(w3, mag);
+    const uint64_t z01 = (uint64_t)_mm512_testn_epi16_mask(w0, mag) |
+                         (uint64_t)_mm512_testn_epi16_mask(w1, mag) << 32;
+    const uint64_t z23 = (uint64_t)_mm512_testn_epi16_mask(w2, mag) |
+                         (uint64_t)_mm512_testn_epi16_mask(w3, mag) << 32;
+    a->zeros += __builtin_popcountll(z01) + __builtin_popcountll(z23);
+    /* the group's largest magnitudes, 8 elements to a lane, folded to 4 lanes as floats */
+    const __m512i top = _mm512_max_epu16(_mm512_max_epu16(m0, m1), _mm512_max_epu16(m2, m3));
+    const __m256i t256 = _mm256_max_epu16(_mm512_castsi512_si256(top), _mm512_extracti64x4_epi64(top, 1));
+    __m128i t128 = _mm_max_epu16(_mm256_castsi256_si128(t256), _mm256_extracti128_si256(t256, 1));
+    t128 = _mm_max_epu16(t128, _mm_srli_si128(t128, 8));
+    _mm_storeu_si128((__m128i *)part, _mm_slli_epi32(_mm_cvtepu16_epi32(t128), 16));
+    a->groups++;
+    return 1;
+}
+static inline uint16_t hmax_epu16(__m512i v) {
+    const __m256i h = _mm256_max_epu16(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    const __m128i q = _mm_max_epu16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    return (uint16_t)~_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(q, _mm_set1_epi16(-1))));
+}
+static inline uint16_t hmin_epu16(__m512i v) {
+    const __m256i h = _mm256_min_epu16(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    const __m128i q = _mm_min_epu16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    return (uint16_t)_mm_cvtsi128_si32(_mm_minpos_epu16(q));
+}
+/* The flush's smallest and largest values from its words' extremes (see above). */
+static inline void fast_range(__m512i smax, __m512i umax, __m512i umin, double *lo, double *hi) {
+    const uint16_t s = (uint16_t)(hmax_epu16(_mm512_xor_si512(smax, _mm512_set1_epi16(INT16_MIN))) ^ 0x8000);
+    const uint16_t u = hmax_epu16(umax), n = hmin_epu16(umin);
+    *hi = load_bf16(&(uint16_t){(int16_t)s >= 0 ? s : n}, 0); /* none positive: the nearest 0 */
+    *lo = load_bf16(&(uint16_t){u >= 0x8000 ? u : n}, 0);     /* none negative: the smallest */
+}
+/* Adds the flush's fast groups into its totals. */
+static inline void fast_flush(fast_acc *a, double sh, double *fs, double *fq, double *flo, double *fhi,
+                              int64_t *fz) {
+    if (!a->groups) return;
+    const double s = lanes_sum_vf(0.0, (vf)a->s0, (vf)a->s1), q = lanes_sum_vf(0.0, (vf)a->q0, (vf)a->q1);
+    *fs += s;
+    *fq += q - 2.0 * sh * s + (double)a->groups * 128.0 * sh * sh; /* about the shift */
+    *fz += a->zeros;
+    double lo, hi;
+    fast_range(a->smax, a->umax, a->umin, &lo, &hi);
+    *flo = lo < *flo ? lo : *flo;
+    *fhi = hi > *fhi ? hi : *fhi;
+    fast_init(a);
+}
+#else
+typedef struct {
+    int unused;
+} fast_acc;
+static inline void fast_init(fast_acc *a) { a->unused = 0; }
+static inline int fast_none(const void *p, fast_acc *a, void *part) {
+    (void)p, (void)a, (void)part;
+    return 0;
+}
+#define fast_bf16 fast_none
+static inline void fast_flush(fast_acc *a, double sh, double *fs, double *fq, double *flo, double *fhi,
+                              int64_t *fz) {
+    (void)a, (void)sh, (void)fs, (void)fq, (void)flo, (void)fhi, (void)fz;
+}
+#endif
+#define FAST_FLUSH fast_flush
 
 /* Moments of n elements. */
 #define DEFINE_MOMENTS(NAME, SRC, VAL, V, VM, W, MIN, MAX, VLOAD2, LOAD)                    \
@@ -611,7 +734,7 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
                 ACC_ADD_SCALAR(v, sh);                                                      \
             }                                                                               \
             int ok;                                                                         \
-            ACC_FLUSH(W, len, ok);                                                          \
+            ACC_FLUSH(W, len, ok, (void)0);                                                          \
             if (!ok) slow_##NAME(p, len, (double)sh, m);                                    \
         }                                                                                   \
     }
@@ -771,17 +894,28 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
         const VB sp = pv * inv, sl = lv * inv;                                              \
         const VBM rp = (VBM)(pv != 0) & (VBM)(sp <= (VAL)0.5) & (VBM)(sp >= (VAL)-0.5);     \
         const VBM rl = (VBM)(lv != 0) & (VBM)(sl <= (VAL)0.5) & (VBM)(sl >= (VAL)-0.5);     \
-        int64_t delta = 0;                                                                  \
-        for (int j = 0; j < nb; j++) {                                                      \
-            if (!has[j]) continue;                                                          \
-            if (usual[j] && gj->worst_block >= 0) {                                         \
-                delta += (rp[j] != 0) - (rl[j] != 0);                                       \
-            } else {                                                                        \
+        /* lanes as bits (has is 0 beyond nb, and usual only where has) */                 \
+        uint32_t usual_bits = 0, has_bits = 0, rp_bits = 0, rl_bits = 0;                    \
+        for (int j = 0; j < GROUP_BATCH; j++) {                                             \
+            usual_bits |= (uint32_t)(usual[j] != 0) << j;                                   \
+            has_bits |= (uint32_t)(hv[j] != 0) << j;                                        \
+            rp_bits |= (uint32_t)(rp[j] != 0) << j;                                         \
+            rl_bits |= (uint32_t)(rl[j] != 0) << j;                                         \
+        }                                                                                   \
+        if (gj->worst_block >= 0) { /* no usual block (ratio 1) can become the worst */     \
+            gj->zero_rounded += __builtin_popcount(usual_bits & rp_bits) -                  \
+                                __builtin_popcount(usual_bits & rl_bits);                   \
+            has_bits &= ~usual_bits;                                                        \
+            usual_bits = 0;                                                                 \
+        }                                                                                   \
+        for (; has_bits; has_bits &= has_bits - 1) { /* in order */                         \
+            const int j = __builtin_ctz(has_bits);                                          \
+            if ((usual_bits >> j & 1) && gj->worst_block >= 0)                              \
+                gj->zero_rounded += (int64_t)(rp_bits >> j & 1) - (int64_t)(rl_bits >> j & 1); \
+            else                                                                            \
                 joint_##NAME(ptr[j], len, prev[j], tops[j], nears[j], invs[j], qmax,        \
                              first_id + j, gj);                                             \
-            }                                                                               \
         }                                                                                   \
-        gj->zero_rounded += delta;                                                          \
     }
 
 /*
@@ -863,6 +997,36 @@ static void no_words_d(const double *tops, const double *bounds, uint32_t *words
     (void)tops, (void)bounds, (void)words, (void)nb;
 }
 
+/* The grid of every bf16 magnitude for one qmax, as grids_f and words_bf16 give it: entry
+ * 2w is the words (`lo | hi << 16`) of the magnitude whose word is w, entry 2w + 1 its float
+ * inverse scale's bits. The fast bf16 groups look their grids up here (a batch's grids cost
+ * two double divisions a lane), with the table built once per qmax by the caller. */
+void dw_grid_table_bf16(double qmax, uint32_t *table) {
+    for (uint32_t w = 0; w < 0x8000; w += GROUP_BATCH) {
+        float tops[GROUP_BATCH], invs[GROUP_BATCH], bounds[GROUP_BATCH];
+        uint32_t words[GROUP_BATCH];
+        for (int j = 0; j < GROUP_BATCH; j++) tops[j] = load_bf16(&(uint16_t){(uint16_t)(w + j)}, 0);
+        grids_f(tops, qmax, invs, bounds, GROUP_BATCH);
+        words_bf16(tops, bounds, words, GROUP_BATCH);
+        for (int j = 0; j < GROUP_BATCH; j++) {
+            table[2 * (w + j)] = words[j];
+            memcpy(&table[2 * (w + j) + 1], &invs[j], sizeof invs[j]);
+        }
+    }
+}
+static inline void table_grids(const uint32_t *table, const float *tops, float *invs, uint32_t *words) {
+    for (int j = 0; j < GROUP_BATCH; j++) {
+        uint32_t bits;
+        memcpy(&bits, &tops[j], sizeof bits);
+        const uint32_t *e = table + 2 * (bits >> 16 & 0x7fff);
+        words[j] = e[0];
+        memcpy(&invs[j], &e[1], sizeof invs[j]);
+    }
+}
+static inline void no_table_grids(const uint32_t *table, const void *tops, void *invs, uint32_t *words) {
+    (void)table, (void)tops, (void)invs, (void)words;
+}
+
 static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, float bound,
                                  uint32_t words, int64_t *below) {
     (void)top, (void)bound;
@@ -903,10 +1067,12 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
  * when `cols == group`. `joint_prev` points at the element before x, or is NULL when x starts
  * the tensor (that block holds the scalar; the caller measures it).
  */
-#define DEFINE_GROUPS(NAME, SRC, VAL, V, VM, W, MIN, MAX, R16, FOLD, TOPS, GRIDS, WORDS, VLOAD2, LOAD) \
-    void dw_groups_##NAME(const SRC *x, int64_t rows, int64_t cols, int64_t group,          \
-                          double qmax, int64_t first_block, double shift, dw_moments *m,    \
-                          dw_groups *g, const SRC *joint_prev, dw_groups *gj) {             \
+#define DEFINE_GROUPS(NAME, SRC, VAL, V, VM, W, MIN, MAX, R16, FOLD, TOPS, GRIDS, WORDS, FAST,  \
+                      FAST_GRIDS, VLOAD2, LOAD)                                             \
+    static inline __attribute__((always_inline)) void groups_##NAME(                        \
+        const SRC *x, int64_t rows, int64_t cols, int64_t group, double qmax,                \
+        int64_t first_block, double shift, dw_moments *m, dw_groups *g, const SRC *joint_prev, \
+        dw_groups *gj, const uint32_t *grid_table, const int fast) {                        \
         const VAL sh = (VAL)shift;                                                          \
         const int64_t per_row = (cols + group - 1) / group;                                 \
         const int64_t blocks = rows * per_row;                                              \
@@ -915,6 +1081,8 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
         const int64_t zeros_before = m->zeros;                                              \
         int64_t pending = 0; /* elements accumulated since the last flush */                \
         const SRC *flush_start = x;                                                         \
+        fast_acc fa;                                                                        \
+        fast_init(&fa);                                                                     \
         /* two batches in flight: pass 2 of the previous batch runs while the grids of the  \
          * current one, a long chain of divisions, are computed */                          \
         const SRC *ptrs[2][GROUP_BATCH];                                                    \
@@ -948,43 +1116,48 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                  * 4.6 -> 5.7 GB/s, fp32 7.6 -> 8.1 on two threads; 4 KB and 16 KB less) */  \
                 for (int64_t b = 0; b < len * (int64_t)sizeof(SRC); b += 64)                 \
                     __builtin_prefetch((const char *)p + b + 8192);                         \
-                V glo = (V){} + (VAL)INFINITY, ghi = (V){} - (VAL)INFINITY;                 \
-                V glo2 = glo, ghi2 = ghi;                                                   \
-                VAL u1 = 0;                                                                 \
-                int64_t i = 0;                                                              \
-                if (len == 128) { /* the usual group: a constant count, unrolled */         \
-                    for (; i < 128; i += 2 * (W)) {                                         \
-                        V v, w;                                                             \
-                        VLOAD2(p, i, &v, &w);                                               \
-                        ACC_ADD(MIN, MAX, VM, v, sh, glo, ghi, s, q, z);                    \
-                        ACC_ADD(MIN, MAX, VM, w, sh, glo2, ghi2, s2, q2, z2);               \
-                    }                                                                       \
-                }                                                                           \
-                for (; i + 2 * (W) <= len; i += 2 * (W)) {                                  \
-                    V v, w;                                                                 \
-                    VLOAD2(p, i, &v, &w);                                                   \
-                    ACC_ADD(MIN, MAX, VM, v, sh, glo, ghi, s, q, z);                        \
-                    ACC_ADD(MIN, MAX, VM, w, sh, glo2, ghi2, s2, q2, z2);                   \
-                }                                                                           \
-                for (; i < len; i++) {                                                      \
-                    const VAL v = LOAD(p, i);                                               \
-                    ACC_ADD_SCALAR(v, sh);                                                  \
-                    const VAL a = v < 0 ? -v : v;                                           \
-                    u1 = a > u1 ? a : u1;                                                   \
-                }                                                                           \
-                glo = MIN(glo, glo2);                                                       \
-                ghi = MAX(ghi, ghi2);                                                       \
-                lo = MIN(glo, lo);                                                          \
-                hi = MAX(ghi, hi);                                                          \
-                /* NaN never enters the minimum or maximum on x86; elsewhere it makes top   \
-                 * NaN, and the tensor's risk is undefined with NaN anyway */               \
-                const R16 folded = FOLD(MAX(ghi, -glo));                                    \
-                memcpy(part[j], &folded, sizeof folded);                                    \
-                tails[j] = u1;                                                              \
+                if (fast) { /* a group of 128 */                                        \
+                    FAST(p, &fa, part[j]);                                  \
+                    tails[j] = 0;                                                       \
+                } else {                                                                \
+                    V glo = (V){} + (VAL)INFINITY, ghi = (V){} - (VAL)INFINITY;         \
+                    V glo2 = glo, ghi2 = ghi;                                           \
+                    VAL u1 = 0;                                                         \
+                    int64_t i = 0;                                                      \
+                    if (len == 128) { /* the usual group: a constant count, unrolled */ \
+                        for (; i < 128; i += 2 * (W)) {                                 \
+                            V v, w;                                                     \
+                            VLOAD2(p, i, &v, &w);                                       \
+                            ACC_ADD(MIN, MAX, VM, v, sh, glo, ghi, s, q, z);            \
+                            ACC_ADD(MIN, MAX, VM, w, sh, glo2, ghi2, s2, q2, z2);       \
+                        }                                                               \
+                    }                                                                   \
+                    for (; i + 2 * (W) <= len; i += 2 * (W)) {                          \
+                        V v, w;                                                         \
+                        VLOAD2(p, i, &v, &w);                                           \
+                        ACC_ADD(MIN, MAX, VM, v, sh, glo, ghi, s, q, z);                \
+                        ACC_ADD(MIN, MAX, VM, w, sh, glo2, ghi2, s2, q2, z2);           \
+                    }                                                                   \
+                    for (; i < len; i++) {                                              \
+                        const VAL v = LOAD(p, i);                                       \
+                        ACC_ADD_SCALAR(v, sh);                                          \
+                        const VAL a = v < 0 ? -v : v;                                   \
+                        u1 = a > u1 ? a : u1;                                           \
+                    }                                                                   \
+                    glo = MIN(glo, glo2);                                               \
+                    ghi = MAX(ghi, ghi2);                                               \
+                    lo = MIN(glo, lo);                                                  \
+                    hi = MAX(ghi, hi);                                                  \
+                    /* NaN never enters the minimum or maximum on x86; elsewhere it makes top\
+                     * NaN, and the tensor's risk is undefined with NaN anyway */       \
+                    const R16 folded = FOLD(MAX(ghi, -glo));                            \
+                    memcpy(part[j], &folded, sizeof folded);                            \
+                    tails[j] = u1;                                                      \
+                }                                                                       \
                 pending += len;                                                             \
                 if (pending >= FLUSH) {                                                     \
                     int ok;                                                                 \
-                    ACC_FLUSH(W, pending, ok);                                              \
+                    ACC_FLUSH(W, pending, ok, FAST_FLUSH(&fa, (double)sh, &fs, &fq, &flo, &fhi, &fz));                                              \
                     if (!ok) slow_##NAME(flush_start, pending, (double)sh, m);              \
                     ACC_RESET(VAL, V, VM);                                                  \
                     flush_start = p + len;                                                  \
@@ -993,8 +1166,12 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
             }                                                                               \
             if (nb) {                                                                       \
                 TOPS(part, tails, topss[cur]);                                              \
-                GRIDS(topss[cur], qmax, invss[cur], boundss[cur], nb);                      \
-                WORDS(topss[cur], boundss[cur], wordss[cur], nb);                           \
+                if (fast && grid_table != NULL) {                                           \
+                    FAST_GRIDS(grid_table, topss[cur], invss[cur], wordss[cur]);            \
+                } else {                                                                    \
+                    GRIDS(topss[cur], qmax, invss[cur], boundss[cur], nb);                  \
+                    WORDS(topss[cur], boundss[cur], wordss[cur], nb);                       \
+                }                                                                           \
             }                                                                               \
             /* pass 2 of the previous batch, from L1 or L2: elements rounding to 0, and     \
              * whether the top is alone */                                                  \
@@ -1037,11 +1214,23 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
         }                                                                                   \
         if (pending) {                                                                      \
             int ok;                                                                         \
-            ACC_FLUSH(W, pending, ok);                                                      \
+            ACC_FLUSH(W, pending, ok, FAST_FLUSH(&fa, (double)sh, &fs, &fq, &flo, &fhi, &fz));                                                      \
             if (!ok) slow_##NAME(flush_start, pending, (double)sh, m);                      \
         }                                                                                   \
         /* every zero was counted as rounding to 0: it is not a non-zero element */         \
         g->zero_rounded -= m->zeros - zeros_before;                                         \
+    }                                                                                       \
+    void dw_groups_##NAME(const SRC *x, int64_t rows, int64_t cols, int64_t group,          \
+                          double qmax, int64_t first_block, double shift, dw_moments *m,    \
+                          dw_groups *g, const SRC *joint_prev, dw_groups *gj,               \
+                          const uint32_t *grid_table) {                                     \
+        /* the fast groups get a copy of their own, free of the float lanes' registers */   \
+        if (FAST(NULL, NULL, NULL) && grid_table && group == 128 && cols % 128 == 0)        \
+            groups_##NAME(x, rows, cols, 128, qmax, first_block, shift, m, g, joint_prev, gj, \
+                          grid_table, 1);                                                   \
+        else                                                                                \
+            groups_##NAME(x, rows, cols, group, qmax, first_block, shift, m, g, joint_prev, gj, \
+                          NULL, 0);                                                         \
     }
 
 DEFINE_MOMENTS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, vload2_f32, load_f32)
@@ -1064,13 +1253,16 @@ DEFINE_PASS2(f32, float, float, vf, VF_LANES, abs_vf, count_le_vf, count_ge_vf, 
 DEFINE_PASS2(f16, uint16_t, float, vf, VF_LANES, abs_vf, count_le_vf, count_ge_vf, vload2_f16, load_f16)
 DEFINE_PASS2(f64, double, double, vd, VD_LANES, abs_vd, count_le_vd, count_ge_vd, vload2_f64, load_f64)
 DEFINE_GROUPS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f,
-              no_words, vload2_f32, load_f32)
+              no_words, fast_none, no_table_grids, vload2_f32, load_f32)
 DEFINE_GROUPS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f,
-              words_bf16, vload2_bf16, load_bf16)
+              words_bf16, fast_bf16, table_grids, vload2_bf16, load_bf16)
 DEFINE_GROUPS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f,
-              no_words, vload2_f16, load_f16)
+              no_words, fast_none, no_table_grids, vload2_f16, load_f16)
 DEFINE_GROUPS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, vd2, fold_max_vd, tops_d, grids_d,
-              no_words_d, vload2_f64, load_f64)
+              no_words_d, fast_none, no_table_grids, vload2_f64, load_f64)
+
+/* Whether bf16 groups of 128 take the bf16 dot-product path (fast_bf16). */
+int dw_fast_bf16(void) { return fast_bf16(NULL, NULL, NULL); }
 
 /* Lets the loader check that it talks to the code it compiled. */
-int dw_abi_version(void) { return 3; }
+int dw_abi_version(void) { return 4; }

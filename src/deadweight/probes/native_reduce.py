@@ -30,7 +30,7 @@ from importlib import resources
 
 import numpy as np
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 # Seconds one compiler call may take; the file compiles in well under one.
 COMPILE_TIMEOUT = 120
 # Flag sets tried in order: the first one the compiler accepts is used. Native tuning picks
@@ -127,25 +127,42 @@ class Kernels:
         groups: Groups,
         joint_prev: np.ndarray | None = None,
         joint: Groups | None = None,
+        fast: bool = True,
     ) -> None:
         """Moments and symmetric per-group quantization of whole rows of `cols` elements.
 
         With `joint` (only when cols == group), also the groups of the tensor put behind a
         scalar: each starts one element earlier, `joint_prev` holding the element before
-        `data` (None at the start of the tensor, whose group holds the scalar)."""
+        `data` (None at the start of the tensor, whose group holds the scalar). `fast`
+        False keeps bf16 off its dot-product path (see `fast_bf16`), for comparisons."""
         if joint is not None and cols != group:
             raise ValueError("the joint groups need one group per row")
         rows, rest = divmod(data.size, cols)
         if rest:
             raise ValueError(f"{data.size} elements are not whole rows of {cols}")
         fn = getattr(self.lib, f"dw_groups_{kind}")
+        table = _pointer(self.grid_table(qmax)) if kind == "bf16" and fast else None
         fn(
             _pointer(data), ctypes.c_int64(rows), ctypes.c_int64(cols), ctypes.c_int64(group),
             ctypes.c_double(qmax), ctypes.c_int64(first_block), ctypes.c_double(shift),
             ctypes.byref(moments), ctypes.byref(groups),
             None if joint_prev is None else _pointer(joint_prev),
             None if joint is None else ctypes.byref(joint),
+            table,
         )  # fmt: skip
+
+    @property
+    def fast_bf16(self) -> bool:
+        """Whether this build sums bf16 groups with the CPU's bf16 dot product (AVX512-BF16)."""
+        return bool(self.lib.dw_fast_bf16())
+
+    @cache  # noqa: B019 - a few qmax values per process, kept as long as the library
+    def grid_table(self, qmax: int) -> np.ndarray:
+        """The grid of every bf16 magnitude for `qmax` (256 KB), which the bf16 group
+        kernel looks up instead of computing each group's."""
+        table = np.empty(2 << 15, dtype=np.uint32)
+        self.lib.dw_grid_table_bf16(ctypes.c_double(qmax), _pointer(table))
+        return table
 
 
 def _pointer(data: np.ndarray) -> ctypes.c_void_p:
