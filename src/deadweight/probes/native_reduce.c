@@ -623,10 +623,6 @@ static inline void fast_init(fast_acc *a) {
     a->zeros = 0;
     a->groups = 0;
 }
-static inline int fast_none(const void *p, fast_acc *a, void *part) {
-    (void)p, (void)a, (void)part;
-    return 0;
-}
 /* Adds the group of 128 at p; with p NULL, says that this build has the path. */
 static inline int fast_bf16(const uint16_t *p, fast_acc *a, float *part) {
     if (p == NULL) return 1;
@@ -700,17 +696,19 @@ typedef struct {
     int unused;
 } fast_acc;
 static inline void fast_init(fast_acc *a) { a->unused = 0; }
-static inline int fast_none(const void *p, fast_acc *a, void *part) {
-    (void)p, (void)a, (void)part;
-    return 0;
-}
-#define fast_bf16 fast_none
 static inline void fast_flush(fast_acc *a, double sh, double *fs, double *fq, double *flo, double *fhi,
                               int64_t *fz) {
     (void)a, (void)sh, (void)fs, (void)fq, (void)flo, (void)fhi, (void)fz;
 }
 #endif
-#define FAST_FLUSH fast_flush
+/* The types without a fast path, and bf16 where the CPU has no bf16 dot product. */
+static inline int fast_none(const void *p, fast_acc *a, void *part) {
+    (void)p, (void)a, (void)part;
+    return 0;
+}
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64)
+#define fast_bf16 fast_none
+#endif
 
 /* Moments of n elements. */
 #define DEFINE_MOMENTS(NAME, SRC, VAL, V, VM, W, MIN, MAX, VLOAD2, LOAD)                    \
@@ -734,7 +732,7 @@ static inline void fast_flush(fast_acc *a, double sh, double *fs, double *fq, do
                 ACC_ADD_SCALAR(v, sh);                                                      \
             }                                                                               \
             int ok;                                                                         \
-            ACC_FLUSH(W, len, ok, (void)0);                                                          \
+            ACC_FLUSH(W, len, ok, (void)0);                                                 \
             if (!ok) slow_##NAME(p, len, (double)sh, m);                                    \
         }                                                                                   \
     }
@@ -1157,7 +1155,8 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 pending += len;                                                             \
                 if (pending >= FLUSH) {                                                     \
                     int ok;                                                                 \
-                    ACC_FLUSH(W, pending, ok, FAST_FLUSH(&fa, (double)sh, &fs, &fq, &flo, &fhi, &fz));                                              \
+                    ACC_FLUSH(W, pending, ok,                                               \
+                              fast_flush(&fa, (double)sh, &fs, &fq, &flo, &fhi, &fz));      \
                     if (!ok) slow_##NAME(flush_start, pending, (double)sh, m);              \
                     ACC_RESET(VAL, V, VM);                                                  \
                     flush_start = p + len;                                                  \
@@ -1214,7 +1213,7 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
         }                                                                                   \
         if (pending) {                                                                      \
             int ok;                                                                         \
-            ACC_FLUSH(W, pending, ok, FAST_FLUSH(&fa, (double)sh, &fs, &fq, &flo, &fhi, &fz));                                                      \
+            ACC_FLUSH(W, pending, ok, fast_flush(&fa, (double)sh, &fs, &fq, &flo, &fhi, &fz)); \
             if (!ok) slow_##NAME(flush_start, pending, (double)sh, m);                      \
         }                                                                                   \
         /* every zero was counted as rounding to 0: it is not a non-zero element */         \
