@@ -207,7 +207,36 @@ BF16_CASES = {
         rng.standard_normal(96 * 128) * np.where(np.arange(96 * 128) % 300 == 7, 80.0, 1.0)
     ),
     "huge": lambda rng: rng.standard_normal(96 * 128) * 1e30,
+    "on the grid's edges": lambda rng: _on_grid_edges(rng),
+    "few near the top": lambda rng: _few_near_the_top(rng),
 }
+
+
+def _on_grid_edges(rng: np.random.Generator) -> np.ndarray:
+    """Top 7 (an int4 step of 1) in every group, and elements exactly on the zero bound
+    (0.5) and half the top (3.5), or one bf16 step either side, often in a group's last
+    place and so also the element before the next block behind a scalar."""
+    edges = np.array([0.5, 0.49804688, 0.50390625, 3.5, 3.484375, 3.515625, 0.0])
+    x = rng.choice(np.concatenate([edges, -edges]), 96 * 128)
+    x[np.arange(96) * 128 + rng.integers(0, 127, 96)] = 7.0
+    return x
+
+
+def _few_near_the_top(rng: np.random.Generator) -> np.ndarray:
+    """Every group has at least two elements of at least half its top, so no own block has a
+    top standing alone (every own range ratio is 1). In the even groups two of three such
+    elements share a 16-bit lane of the kernel's vectors (positions 96 apart) and one is
+    the group's last: fewer lanes than elements reach half the top, and the block behind a
+    scalar loses one of them while the element before it (the odd group's last) adds none.
+    Group 50 has two, in one lane, the second its last: behind a scalar, its top is alone."""
+    x = rng.standard_normal(96 * 128) * 0.05
+    for group in range(96):
+        lane = int(rng.integers(0, 31))
+        places = [lane, 31, 127] if group % 2 == 0 else [lane, 31, 64]
+        x[group * 128 + np.array(places)] = rng.permutation([8.0, -4.0, rng.choice([4.0, 5.5])])
+    x[50 * 128 : 51 * 128] = rng.standard_normal(128) * 0.05
+    x[50 * 128 + 31], x[50 * 128 + 127] = 8.0, -5.5
+    return x
 
 
 @pytest.mark.parametrize("case", list(BF16_CASES))
@@ -229,6 +258,9 @@ def test_bf16_dot_product_path_agrees_with_float64_and_the_float_lanes(case: str
         for field in ("min", "max", "count", "zeros", "nonfinite", "worst_ratio", "worst_block",
                       "zero_rounded"):  # fmt: skip
             assert getattr(a, field, None) == getattr(b, field, None), (field, case)
+    if case == "few near the top":
+        assert fast[1].worst_ratio == 1.0
+        assert fast[2].worst_block == 50 and fast[2].worst_ratio > 8.0 / 0.5
 
 
 @pytest.mark.parametrize("position", [0, 5, 2047, 2048, 9000, 96 * 128 - 1])

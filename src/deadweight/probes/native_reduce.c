@@ -604,14 +604,18 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
  * per element in the sums). Minimum, maximum, each group's largest magnitude and the zeros
  * are integer operations on the 16-bit words, 32 per instruction: the words of values that
  * are not negative order like signed integers, the others like unsigned ones (larger is
- * more negative), and a magnitude (sign cleared) orders like its value. A flush whose sums
- * are not finite held NaN/Inf (any of them makes the sum NaN or infinite) and is redone by
- * the slow path, as in the float lanes.
+ * more negative), and a magnitude (sign cleared) orders like its value. Zeros are counted
+ * only in a group whose smallest magnitude is 0. A group's 32 lanes of largest magnitudes
+ * are kept: the batch's tops are folded from them together (fast_tops), and pass 2 counts
+ * the lanes near the top before it counts elements (fast_pass2). A flush whose sums are not
+ * finite held NaN/Inf (any of them makes the sum NaN or infinite) and is redone by the slow
+ * path, as in the float lanes.
  */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64
 typedef struct {
     __m512 s0, s1, q0, q1; /* the flush's sums and squares */
-    __m512i smax, umax, umin; /* the flush's words: signed maximum, unsigned both */
+    __m512i smax, umax; /* the flush's words: signed and unsigned maximum */
+    __m512i mmin;       /* and their smallest magnitude */
     int64_t zeros;
     int groups; /* groups in the flush */
 } fast_acc;
@@ -619,12 +623,14 @@ static inline void fast_init(fast_acc *a) {
     a->s0 = a->s1 = a->q0 = a->q1 = _mm512_setzero_ps();
     a->smax = _mm512_set1_epi16(INT16_MIN);
     a->umax = _mm512_setzero_si512();
-    a->umin = _mm512_set1_epi16(-1);
+    a->mmin = _mm512_set1_epi16(0x7fff);
     a->zeros = 0;
     a->groups = 0;
 }
-/* Adds the group of 128 at p; with p NULL, says that this build has the path. */
-static inline int fast_bf16(const uint16_t *p, fast_acc *a, float *part) {
+typedef __m512i fast_lanes;
+/* Adds the group of 128 at p, and keeps its 32 lanes' largest magnitudes (each of 4
+ * elements) in *lanes for pass 2; with p NULL, says that this build has the path. */
+static inline int fast_bf16(const uint16_t *p, fast_acc *a, fast_lanes *lanes) {
     if (p == NULL) return 1;
     const __m512i mag = _mm512_set1_epi16(0x7fff);
     const __m512bh one = (__m512bh)_mm512_set1_epi16(0x3f80);
@@ -642,23 +648,78 @@ static inline int fast_bf16(const uint16_t *p, fast_acc *a, float *part) {
     a->smax = _mm512_max_epi16(a->smax, _mm512_max_epi16(s01, s23));
     const __m512i u01 = _mm512_max_epu16(w0, w1), u23 = _mm512_max_epu16(w2, w3);
     a->umax = _mm512_max_epu16(a->umax, _mm512_max_epu16(u01, u23));
-    const __m512i n01 = _mm512_min_epu16(w0, w1), n23 = _mm512_min_epu16(w2, w3);
-    a->umin = _mm512_min_epu16(a->umin, _mm512_min_epu16(n01, n23));
     const __m512i m0 = _mm512_and_si512(w0, mag), m1 = _mm512_and_si512(w1, mag);
     const __m512i m2 = _mm512_and_si512(w2, mag), m3 = _mm512_and_si512(w3, mag);
-    const uint64_t z01 = (uint64_t)_mm512_testn_epi16_mask(w0, mag) |
-                         (uint64_t)_mm512_testn_epi16_mask(w1, mag) << 32;
-    const uint64_t z23 = (uint64_t)_mm512_testn_epi16_mask(w2, mag) |
-                         (uint64_t)_mm512_testn_epi16_mask(w3, mag) << 32;
-    a->zeros += __builtin_popcountll(z01) + __builtin_popcountll(z23);
-    /* the group's largest magnitudes, 8 elements to a lane, folded to 4 lanes as floats */
-    const __m512i top = _mm512_max_epu16(_mm512_max_epu16(m0, m1), _mm512_max_epu16(m2, m3));
-    const __m256i t256 = _mm256_max_epu16(_mm512_castsi512_si256(top), _mm512_extracti64x4_epi64(top, 1));
-    __m128i t128 = _mm_max_epu16(_mm256_castsi256_si128(t256), _mm256_extracti128_si256(t256, 1));
-    t128 = _mm_max_epu16(t128, _mm_srli_si128(t128, 8));
-    _mm_storeu_si128((__m128i *)part, _mm_slli_epi32(_mm_cvtepu16_epi32(t128), 16));
+    /* zeros are counted only in a group that has one (its smallest magnitude is 0) */
+    const __m512i low = _mm512_min_epu16(_mm512_min_epu16(m0, m1), _mm512_min_epu16(m2, m3));
+    a->mmin = _mm512_min_epu16(a->mmin, low);
+    if (__builtin_expect(_mm512_testn_epi16_mask(low, low) != 0, 0)) {
+        const uint64_t z01 = (uint64_t)_mm512_testn_epi16_mask(m0, m0) |
+                             (uint64_t)_mm512_testn_epi16_mask(m1, m1) << 32;
+        const uint64_t z23 = (uint64_t)_mm512_testn_epi16_mask(m2, m2) |
+                             (uint64_t)_mm512_testn_epi16_mask(m3, m3) << 32;
+        a->zeros += __builtin_popcountll(z01) + __builtin_popcountll(z23);
+    }
+    /* the group's largest magnitudes, 4 elements to a lane: folded with the batch's other
+     * groups (fast_tops), and kept for pass 2 */
+    *lanes = _mm512_max_epu16(_mm512_max_epu16(m0, m1), _mm512_max_epu16(m2, m3));
     a->groups++;
     return 1;
+}
+/* Pass 2 of a fast group: adds its elements with |v| <= the lower word to *counts (16-bit
+ * lanes, 64 a batch at most: fast_count adds them up) and returns a lower bound on how many
+ * have 2|v| >= top (the upper word). The lanes holding such an element are one: from 3 up
+ * that is all the callers need (the top is not alone, nor in the block one element earlier);
+ * below 3, the elements are counted. */
+static inline int64_t fast_pass2(const uint16_t *p, const fast_lanes *lanes, uint32_t words,
+                                 fast_lanes *counts) {
+    const __m512i mag = _mm512_set1_epi16(0x7fff), one = _mm512_set1_epi16(1);
+    const __m512i lo = _mm512_set1_epi16((short)(words & 0xffff));
+    const __m512i hi = _mm512_set1_epi16((short)(words >> 16));
+    __m512i c = *counts;
+    for (int i = 0; i < 128; i += 32) {
+        const __m512i u = _mm512_and_si512(_mm512_loadu_si512(p + i), mag);
+        c = _mm512_mask_add_epi16(c, _mm512_cmple_epu16_mask(u, lo), c, one);
+    }
+    *counts = c;
+    const int lanes_near = __builtin_popcount(_mm512_cmpge_epu16_mask(*lanes, hi));
+    if (__builtin_expect(lanes_near >= 3, 1)) return lanes_near;
+    int64_t near = 0;
+    for (int i = 0; i < 128; i += 32) {
+        const __m512i u = _mm512_and_si512(_mm512_loadu_si512(p + i), mag);
+        near += __builtin_popcount(_mm512_cmpge_epu16_mask(u, hi));
+    }
+    return near;
+}
+static inline int64_t fast_count(fast_lanes *counts) {
+    const __m512i pairs = _mm512_madd_epi16(*counts, _mm512_set1_epi16(1));
+    *counts = _mm512_setzero_si512();
+    return _mm512_reduce_add_epi32(pairs);
+}
+/* The largest magnitudes of a batch's groups from their lanes, as floats: the 16 vectors are
+ * folded together, two into one at each step, so a group costs about 3 instructions rather
+ * than a fold of its own. After the steps, dword 4k + s holds group 4s + k. */
+_Static_assert(GROUP_BATCH == 16, "fast_tops folds 16 groups");
+static inline void fast_tops(const fast_lanes *lanes, float *tops) {
+    __m512i c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++) { /* group 2i in 128-bit lanes 0-1, 2i + 1 in 2-3 */
+        const __m512i a = lanes[2 * i], b = lanes[2 * i + 1];
+        c[i] = _mm512_max_epu16(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee));
+    }
+    for (int i = 0; i < 4; i++) /* group 4i + k in 128-bit lane k */
+        d[i] = _mm512_max_epu16(_mm512_shuffle_i64x2(c[2 * i], c[2 * i + 1], 0x88),
+                                _mm512_shuffle_i64x2(c[2 * i], c[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++) /* lane k: group 8i + k, then 8i + 4 + k, 4 words each */
+        e[i] = _mm512_max_epu16(_mm512_unpacklo_epi64(d[2 * i], d[2 * i + 1]),
+                                _mm512_unpackhi_epi64(d[2 * i], d[2 * i + 1]));
+    /* lane k, dword s: group 4s + k, 2 words */
+    const __m512 e0 = _mm512_castsi512_ps(e[0]), e1 = _mm512_castsi512_ps(e[1]);
+    __m512i f = _mm512_max_epu16(_mm512_castps_si512(_mm512_shuffle_ps(e0, e1, 0x88)),
+                                 _mm512_castps_si512(_mm512_shuffle_ps(e0, e1, 0xdd)));
+    f = _mm512_max_epu16(f, _mm512_srli_epi32(f, 16)); /* the low word of each dword */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    f = _mm512_slli_epi32(_mm512_permutexvar_epi32(order, f), 16);
+    _mm512_storeu_si512(tops, f);
 }
 static inline uint16_t hmin_epu16(__m512i v) {
     const __m256i h = _mm256_min_epu16(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
@@ -669,12 +730,14 @@ static inline uint16_t hmin_epu16(__m512i v) {
 static inline uint16_t hmax_epu16(__m512i v) {
     return (uint16_t)~hmin_epu16(_mm512_xor_si512(v, _mm512_set1_epi32(-1)));
 }
-/* The flush's smallest and largest values from its words' extremes (see above). */
-static inline void fast_range(__m512i smax, __m512i umax, __m512i umin, double *lo, double *hi) {
+/* The flush's smallest and largest values from its words' extremes (see above). Without a
+ * value of one sign, the other extreme is the value of the smallest magnitude. */
+static inline void fast_range(__m512i smax, __m512i umax, __m512i mmin, double *lo, double *hi) {
     const uint16_t s = (uint16_t)(hmax_epu16(_mm512_xor_si512(smax, _mm512_set1_epi16(INT16_MIN))) ^ 0x8000);
-    const uint16_t u = hmax_epu16(umax), n = hmin_epu16(umin);
-    *hi = load_bf16(&(uint16_t){(int16_t)s >= 0 ? s : n}, 0); /* none positive: the nearest 0 */
-    *lo = load_bf16(&(uint16_t){u >= 0x8000 ? u : n}, 0);     /* none negative: the smallest */
+    const uint16_t u = hmax_epu16(umax), n = hmin_epu16(mmin);
+    /* none positive: the negative nearest 0 */
+    *hi = load_bf16(&(uint16_t){(int16_t)s >= 0 ? s : (uint16_t)(n | 0x8000)}, 0);
+    *lo = load_bf16(&(uint16_t){u >= 0x8000 ? u : n}, 0); /* none negative: the smallest */
 }
 /* Adds the flush's fast groups into its totals. */
 static inline void fast_flush(fast_acc *a, double sh, double *fs, double *fq, double *flo, double *fhi,
@@ -685,7 +748,7 @@ static inline void fast_flush(fast_acc *a, double sh, double *fs, double *fq, do
     *fq += q - 2.0 * sh * s + (double)a->groups * 128.0 * sh * sh; /* about the shift */
     *fz += a->zeros;
     double lo, hi;
-    fast_range(a->smax, a->umax, a->umin, &lo, &hi);
+    fast_range(a->smax, a->umax, a->mmin, &lo, &hi);
     *flo = lo < *flo ? lo : *flo;
     *fhi = hi > *fhi ? hi : *fhi;
     fast_init(a);
@@ -694,6 +757,19 @@ static inline void fast_flush(fast_acc *a, double sh, double *fs, double *fq, do
 typedef struct {
     int unused;
 } fast_acc;
+typedef struct {
+    char unused;
+} fast_lanes;
+static inline void fast_tops(const fast_lanes *lanes, float *tops) { (void)lanes, (void)tops; }
+static inline int64_t fast_pass2(const uint16_t *p, const fast_lanes *lanes, uint32_t words,
+                                 fast_lanes *counts) {
+    (void)p, (void)lanes, (void)words, (void)counts;
+    return 0;
+}
+static inline int64_t fast_count(fast_lanes *counts) {
+    (void)counts;
+    return 0;
+}
 static inline void fast_init(fast_acc *a) { a->unused = 0; }
 static inline void fast_flush(fast_acc *a, double sh, double *fs, double *fq, double *flo, double *fhi,
                               int64_t *fz) {
@@ -701,8 +777,8 @@ static inline void fast_flush(fast_acc *a, double sh, double *fs, double *fq, do
 }
 #endif
 /* The types without a fast path, and bf16 where the CPU has no bf16 dot product. */
-static inline int fast_none(const void *p, fast_acc *a, void *part) {
-    (void)p, (void)a, (void)part;
+static inline int fast_none(const void *p, fast_acc *a, fast_lanes *lanes) {
+    (void)p, (void)a, (void)lanes;
     return 0;
 }
 #if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64)
@@ -1086,7 +1162,11 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
         int64_t lengths[2][GROUP_BATCH];                                                    \
         VAL topss[2][GROUP_BATCH], invss[2][GROUP_BATCH], boundss[2][GROUP_BATCH];          \
         uint32_t wordss[2][GROUP_BATCH];                                                    \
-        int64_t nears[GROUP_BATCH];                                                         \
+        fast_lanes laness[2][GROUP_BATCH]; /* the fast groups' lanes */                     \
+        memset(laness, 0, sizeof laness); /* a batch's unused ones are folded too */        \
+        fast_lanes counts;                /* fast_pass2's */                                \
+        memset(&counts, 0, sizeof counts);                                                  \
+        int64_t nears[GROUP_BATCH] = {0};                                                   \
         VAL part[GROUP_BATCH][4] = {{0}}, tails[GROUP_BATCH] = {0};                         \
         int64_t row = 0, col = 0; /* where the next block starts */                         \
         int64_t before = 0;       /* the previous batch's first block */                    \
@@ -1114,8 +1194,7 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 for (int64_t b = 0; b < len * (int64_t)sizeof(SRC); b += 64)                 \
                     __builtin_prefetch((const char *)p + b + 8192);                         \
                 if (fast) { /* a group of 128 */                                            \
-                    FAST(p, &fa, part[j]);                                                  \
-                    tails[j] = 0;                                                           \
+                    FAST(p, &fa, &laness[cur][j]);                                          \
                 } else {                                                                    \
                     V glo = (V){} + (VAL)INFINITY, ghi = (V){} - (VAL)INFINITY;             \
                     V glo2 = glo, ghi2 = ghi;                                               \
@@ -1163,10 +1242,11 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 }                                                                           \
             }                                                                               \
             if (nb) {                                                                       \
-                TOPS(part, tails, topss[cur]);                                              \
                 if (fast) { /* the caller gives fast groups a table */                      \
+                    fast_tops(laness[cur], (float *)topss[cur]);                            \
                     FAST_GRIDS(grid_table, topss[cur], invss[cur], wordss[cur]);            \
                 } else {                                                                    \
+                    TOPS(part, tails, topss[cur]);                                          \
                     GRIDS(topss[cur], qmax, invss[cur], boundss[cur], nb);                  \
                     WORDS(topss[cur], boundss[cur], wordss[cur], nb);                       \
                 }                                                                           \
@@ -1181,7 +1261,9 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 const int64_t len = lengths[old][j];                                        \
                 const VAL top = tops[j];                                                    \
                 const uint32_t words = wordss[old][j];                                      \
-                const int64_t near = len == 128                                             \
+                const int64_t near = fast ? fast_pass2((const uint16_t *)p, &laness[old][j], words, \
+                                                       &counts)                             \
+                                     : len == 128                                           \
                                          ? pass2_##NAME(p, 128, top, bounds[j], words, &below) \
                                          : pass2_##NAME(p, len, top, bounds[j], words, &below); \
                 double ratio = 1.0;                                                         \
@@ -1200,9 +1282,15 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 }                                                                           \
                 nears[j] = near;                                                            \
             }                                                                               \
-            if (gj != NULL && nb_before)                                                    \
+            if (gj != NULL && nb_before && fast)                                            \
+                fast_joint_batch((const uint16_t *const *)ptrs[old], (const float *)tops,   \
+                                 (const float *)invs, wordss[old], nears, nb_before,        \
+                                 (const uint16_t *)x, (const uint16_t *)joint_prev, qmax,   \
+                                 first_block + before, gj);                                 \
+            else if (gj != NULL && nb_before)                                               \
                 joint_batch_##NAME(ptrs[old], group, tops, invs, nears, nb_before, x,       \
                                    joint_prev, qmax, first_block + before, gj);             \
+            if (fast) below += fast_count(&counts);                                        \
             /* every zero was counted as rounding to 0 (they are taken out at the end) */   \
             g->zero_rounded += below;                                                       \
             if (!nb) break;                                                                 \
@@ -1247,6 +1335,64 @@ DEFINE_JOINT_BATCH(f32, float, float, vbf, vbm, load_f32)
 DEFINE_JOINT_BATCH(bf16, uint16_t, float, vbf, vbm, load_bf16)
 DEFINE_JOINT_BATCH(f16, uint16_t, float, vbf, vbm, load_f16)
 DEFINE_JOINT_BATCH(f64, double, double, vbd, vbdm, load_f64)
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64
+/* joint_batch_bf16 for a batch of fast groups, with its tests on the 16-bit words of all 16
+ * groups in one vector. The groups are rows of their own and follow each other, so the
+ * element before a block is the last element of the block before. Words order as their
+ * magnitudes, NaN aside: a block whose top is NaN is never usual (as with the floats). */
+static void fast_joint_batch(const uint16_t *const *ptr, const float *tops, const float *invs,
+                             const uint32_t *words, const int64_t *nears, int nb, const uint16_t *x,
+                             const uint16_t *joint_prev, double qmax, int64_t first_id, dw_groups *gj) {
+    const __mmask16 live = (__mmask16)((1u << nb) - 1);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* words 126 and 127 of each group: its last element in the high half */
+    const __m512i at = _mm512_add_epi32(_mm512_slli_epi32(lane, 8), _mm512_set1_epi32(252));
+    const __m512i last = _mm512_srli_epi32(
+        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, ptr[0], 1), 16);
+    const int has_first = ptr[0] > x || joint_prev != NULL;
+    const uint16_t first_prev = ptr[0] > x ? ptr[0][-1] : joint_prev != NULL ? joint_prev[0] : 0;
+    const __m512i prev = _mm512_alignr_epi32(last, _mm512_set1_epi32(first_prev), 15);
+    const __m512i mag = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i ap = _mm512_and_si512(prev, mag), al = _mm512_and_si512(last, mag);
+    const __m512i top = _mm512_srli_epi32(_mm512_loadu_si512(tops), 16);
+    const __m512i w = _mm512_loadu_si512(words);
+    const __m512i lo = _mm512_and_si512(w, _mm512_set1_epi32(0xffff)), hi = _mm512_srli_epi32(w, 16);
+    const __m512i nv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(_mm512_loadu_si512(nears))),
+                                          _mm512_cvtepi64_epi32(_mm512_loadu_si512(nears + 8)), 1);
+    /* the own block's near count, less its last, plus the one before */
+    __m512i near_j = _mm512_mask_sub_epi32(nv, _mm512_cmpge_epu32_mask(al, hi), nv, one);
+    near_j = _mm512_mask_add_epi32(near_j, _mm512_cmpge_epu32_mask(ap, hi), near_j, one);
+    const __mmask16 has = live & (__mmask16)(has_first ? 0xffff : 0xfffe);
+    uint32_t usual = has & _mm512_cmple_epu32_mask(top, _mm512_set1_epi32(0x7f80)) &
+                     _mm512_cmplt_epu32_mask(al, top) & _mm512_cmple_epu32_mask(ap, top) &
+                     _mm512_cmpneq_epi32_mask(near_j, one);
+    const uint32_t rp = _mm512_test_epi32_mask(ap, ap) & _mm512_cmple_epu32_mask(ap, lo);
+    const uint32_t rl = _mm512_test_epi32_mask(al, al) & _mm512_cmple_epu32_mask(al, lo);
+    uint32_t rest = has;
+    if (gj->worst_block >= 0) { /* no usual block (ratio 1) can become the worst */
+        gj->zero_rounded += __builtin_popcount(usual & rp) - __builtin_popcount(usual & rl);
+        rest &= ~usual;
+        usual = 0;
+    }
+    for (; rest; rest &= rest - 1) { /* in order */
+        const int j = __builtin_ctz(rest);
+        if ((usual >> j & 1) && gj->worst_block >= 0)
+            gj->zero_rounded += (int64_t)(rp >> j & 1) - (int64_t)(rl >> j & 1);
+        else
+            joint_bf16(ptr[j], 128, j ? load_bf16(ptr[j], -1) : load_bf16(&first_prev, 0), tops[j],
+                       nears[j], invs[j], qmax, first_id + j, gj);
+    }
+}
+#else
+static inline void fast_joint_batch(const uint16_t *const *ptr, const float *tops, const float *invs,
+                                    const uint32_t *words, const int64_t *nears, int nb,
+                                    const uint16_t *x, const uint16_t *joint_prev, double qmax,
+                                    int64_t first_id, dw_groups *gj) {
+    (void)ptr, (void)tops, (void)invs, (void)words, (void)nears, (void)nb, (void)x;
+    (void)joint_prev, (void)qmax, (void)first_id, (void)gj;
+}
+#endif
 DEFINE_PASS2(f32, float, float, vf, VF_LANES, abs_vf, count_le_vf, count_ge_vf, vload2_f32, load_f32)
 DEFINE_PASS2(f16, uint16_t, float, vf, VF_LANES, abs_vf, count_le_vf, count_ge_vf, vload2_f16, load_f16)
 DEFINE_PASS2(f64, double, double, vd, VD_LANES, abs_vd, count_le_vd, count_ge_vd, vload2_f64, load_f64)
