@@ -75,9 +75,11 @@ def _scan(
 
 @pytest.fixture(autouse=True)
 def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Many chunks per tensor, each split among threads: every boundary case is exercised.
+    # Many chunks per tensor, each cut in several pieces that the threads take as they come
+    # free: every boundary case is exercised.
     monkeypatch.setattr(tensor_pass, "CHUNK_ELEMENTS", 1024 + 512)
     monkeypatch.setattr(tensor_pass, "MIN_PIECE", 256)
+    monkeypatch.setattr(tensor_pass, "PIECE_ELEMENTS", 300)
 
 
 def _same_risk(got: object, want: object) -> None:
