@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from deadweight.probes import native_reduce
+from deadweight.probes.quantization import Scheme, fake_quantize
 
 HAS_COMPILER = native_reduce.compiler() is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler here")
@@ -354,3 +355,27 @@ def test_bf16_dot_product_squares_are_moved_to_the_shift_exactly_enough(mean: fl
     variance = m.squares / m.count - (m.sum / m.count - shift) ** 2
     assert math.sqrt(variance) == pytest.approx(ref.std(), rel=1e-6)
     assert m.sum / m.count == pytest.approx(ref.mean(), abs=1e-7 * abs(mean) + 1e-9)
+
+
+def test_float_groups_count_the_elements_when_few_lanes_are_near_the_top() -> None:
+    """float32 groups of 128 take the lanes near the top (16 on AVX-512: positions 16
+    apart share one) as a lower bound on the elements near it, and count the elements
+    when the bound is under 3. The layout of _few_near_the_top, in those lanes: every
+    range ratio is 1 but that of group 50 behind a scalar, where its top stands alone."""
+    kernels = _loaded()
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(96 * 128) * 0.05
+    for group in range(96):
+        lane = int(rng.integers(0, 15))
+        places = [lane, 15, 127] if group % 2 == 0 else [lane, 15, 64]
+        x[group * 128 + np.array(places)] = rng.permutation([8.0, -4.0, rng.choice([4.0, 5.5])])
+    x[50 * 128 : 51 * 128] = rng.standard_normal(128) * 0.05
+    x[50 * 128 + 15], x[50 * 128 + 127] = 8.0, -5.5
+    data = x.astype(np.float32)
+    m, g, gj = (native_reduce.Moments.empty(), native_reduce.Groups.empty(),
+                native_reduce.Groups.empty())  # fmt: skip
+    kernels.groups("f32", data, 128, 128, 7, 0, 0.0, m, g, data[:1], gj)
+    assert g.worst_ratio == 1.0
+    assert gj.worst_block == 50 and gj.worst_ratio > 8.0 / 0.5
+    fq = fake_quantize(data, Scheme.parse("int4-group128"))
+    assert g.zero_rounded == int(np.count_nonzero((fq == 0) & (data != 0)))

@@ -1028,6 +1028,50 @@ static inline int fast_none(const void *p, fast_acc *a, fast_lanes *lanes) {
         return near;                                                                        \
     }
 
+/* Pass 2 of a float group of 128 from its lanes' largest magnitudes (the vector of the
+ * group's maxima of |v|, kept from pass 1), as fast_pass2 does for bf16: the elements with
+ * |v| <= bound go to *counts (32-bit lanes, added up once a batch), and the lanes with
+ * 2|v| >= top are a lower bound on the elements, counted when it is under 3. */
+#if defined(__AVX512F__) && VBYTES == 64
+static inline int64_t lanes_pass2_f32(const float *p, const vf *lanes, float top, float bound,
+                                      vf *counts) {
+    const __m512 vb = _mm512_set1_ps(bound), vt = _mm512_set1_ps(top);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i c = (__m512i)*counts;
+    for (int i = 0; i < 128; i += 16) {
+        const __m512 a = (__m512)abs_vf((vf)_mm512_loadu_ps(p + i));
+        c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, vb, _CMP_LE_OQ), c, one);
+    }
+    *counts = (vf)c;
+    const __m512 l = (__m512)*lanes;
+    const int lanes_near = __builtin_popcount(_mm512_cmp_ps_mask(_mm512_add_ps(l, l), vt, _CMP_GE_OQ));
+    if (__builtin_expect(lanes_near >= 3, 1)) return lanes_near;
+    int64_t near = 0;
+    for (int i = 0; i < 128; i += 16) {
+        const __m512 a = (__m512)abs_vf((vf)_mm512_loadu_ps(p + i));
+        near += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_add_ps(a, a), vt, _CMP_GE_OQ));
+    }
+    return near;
+}
+static inline int64_t lanes_count_f32(vf *counts) {
+    const int64_t n = _mm512_reduce_add_epi32((__m512i)*counts);
+    *counts = (vf){};
+    return n;
+}
+#define LANES_F32 1
+#else
+static inline int64_t lanes_pass2_f32(const float *p, const vf *lanes, float top, float bound,
+                                      vf *counts) {
+    (void)p, (void)lanes, (void)top, (void)bound, (void)counts;
+    return 0;
+}
+static inline int64_t lanes_count_f32(vf *counts) {
+    (void)counts;
+    return 0;
+}
+#define LANES_F32 0
+#endif
+
 /* bf16 compares as its 16-bit words: for a magnitude (sign bit cleared) that is not NaN the
  * order of the words is the order of the values, so |v| <= bound and 2|v| >= top become
  * integer compares on twice as many lanes as floats, with no conversion. The thresholds are
@@ -1141,7 +1185,7 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
  * the tensor (that block holds the scalar; the caller measures it).
  */
 #define DEFINE_GROUPS(NAME, SRC, VAL, V, VM, W, MIN, MAX, R16, FOLD, TOPS, GRIDS, WORDS, FAST,  \
-                      FAST_GRIDS, VLOAD2, LOAD)                                             \
+                      FAST_GRIDS, LANES, VLOAD2, LOAD)                                      \
     static inline __attribute__((always_inline)) void groups_##NAME(                        \
         const SRC *x, int64_t rows, int64_t cols, int64_t group, double qmax,                \
         int64_t first_block, double shift, dw_moments *m, dw_groups *g, const SRC *joint_prev, \
@@ -1166,6 +1210,9 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
         memset(laness, 0, sizeof laness); /* a batch's unused ones are folded too */        \
         fast_lanes counts;                /* fast_pass2's */                                \
         memset(&counts, 0, sizeof counts);                                                  \
+        /* float groups of 128: their lanes' largest magnitudes, and lanes_pass2_f32's counts */ \
+        vf lanes_f[LANES ? 2 : 1][LANES ? GROUP_BATCH : 1], counts_f = (vf){};              \
+        const int by_lanes = LANES && group == 128 && cols % 128 == 0;                      \
         int64_t nears[GROUP_BATCH] = {0};                                                   \
         VAL part[GROUP_BATCH][4] = {{0}}, tails[GROUP_BATCH] = {0};                         \
         int64_t row = 0, col = 0; /* where the next block starts */                         \
@@ -1226,7 +1273,9 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                     hi = MAX(ghi, hi);                                                      \
                     /* NaN never enters the minimum or maximum on x86; elsewhere it         \
                      * makes top NaN, and the tensor's risk is undefined with NaN anyway */ \
-                    const R16 folded = FOLD(MAX(ghi, -glo));                                \
+                    const V top_lanes = MAX(ghi, -glo);                                     \
+                    if (LANES) memcpy(&lanes_f[cur][j], &top_lanes, sizeof top_lanes);       \
+                    const R16 folded = FOLD(top_lanes);                                     \
                     memcpy(part[j], &folded, sizeof folded);                                \
                     tails[j] = u1;                                                          \
                 }                                                                           \
@@ -1263,6 +1312,9 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 const uint32_t words = wordss[old][j];                                      \
                 const int64_t near = fast ? fast_pass2((const uint16_t *)p, &laness[old][j], words, \
                                                        &counts)                             \
+                                     : by_lanes ? lanes_pass2_f32((const float *)p,         \
+                                                                  &lanes_f[LANES ? old : 0][LANES ? j : 0], \
+                                                                  (float)top, (float)bounds[j], &counts_f) \
                                      : len == 128                                           \
                                          ? pass2_##NAME(p, 128, top, bounds[j], words, &below) \
                                          : pass2_##NAME(p, len, top, bounds[j], words, &below); \
@@ -1291,6 +1343,7 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 joint_batch_##NAME(ptrs[old], group, tops, invs, nears, nb_before, x,       \
                                    joint_prev, qmax, first_block + before, gj);             \
             if (fast) below += fast_count(&counts);                                        \
+            if (by_lanes) below += lanes_count_f32(&counts_f);                              \
             /* every zero was counted as rounding to 0 (they are taken out at the end) */   \
             g->zero_rounded += below;                                                       \
             if (!nb) break;                                                                 \
@@ -1397,13 +1450,13 @@ DEFINE_PASS2(f32, float, float, vf, VF_LANES, abs_vf, count_le_vf, count_ge_vf, 
 DEFINE_PASS2(f16, uint16_t, float, vf, VF_LANES, abs_vf, count_le_vf, count_ge_vf, vload2_f16, load_f16)
 DEFINE_PASS2(f64, double, double, vd, VD_LANES, abs_vd, count_le_vd, count_ge_vd, vload2_f64, load_f64)
 DEFINE_GROUPS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f,
-              no_words, fast_none, no_table_grids, vload2_f32, load_f32)
+              no_words, fast_none, no_table_grids, LANES_F32, vload2_f32, load_f32)
 DEFINE_GROUPS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f,
-              words_bf16, fast_bf16, table_grids, vload2_bf16, load_bf16)
+              words_bf16, fast_bf16, table_grids, 0, vload2_bf16, load_bf16)
 DEFINE_GROUPS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f,
-              no_words, fast_none, no_table_grids, vload2_f16, load_f16)
+              no_words, fast_none, no_table_grids, 0, vload2_f16, load_f16)
 DEFINE_GROUPS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, vd2, fold_max_vd, tops_d, grids_d,
-              no_words_d, fast_none, no_table_grids, vload2_f64, load_f64)
+              no_words_d, fast_none, no_table_grids, 0, vload2_f64, load_f64)
 
 /* Whether bf16 groups of 128 take the bf16 dot-product path (fast_bf16). */
 int dw_fast_bf16(void) { return fast_bf16(NULL, NULL, NULL); }
