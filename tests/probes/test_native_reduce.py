@@ -223,20 +223,22 @@ def _on_grid_edges(rng: np.random.Generator) -> np.ndarray:
     return x
 
 
-def _few_near_the_top(rng: np.random.Generator) -> np.ndarray:
+def _few_near_the_top(rng: np.random.Generator, lanes: int = 32) -> np.ndarray:
     """Every group has at least two elements of at least half its top, so no own block has a
     top standing alone (every own range ratio is 1). In the even groups two of three such
-    elements share a 16-bit lane of the kernel's vectors (positions 96 apart) and one is
-    the group's last: fewer lanes than elements reach half the top, and the block behind a
-    scalar loses one of them while the element before it (the odd group's last) adds none.
-    Group 50 has two, in one lane, the second its last: behind a scalar, its top is alone."""
+    elements share one of the kernel's `lanes` vector lanes (lanes - 1 and 127: bf16 has 32
+    of 16 bits, float32 16) and one is the group's last: fewer lanes than elements reach
+    half the top, and the block behind a scalar loses one of them while the element before
+    it (the odd group's last) adds none. Group 50 has two, in one lane, the second its
+    last: behind a scalar, its top is alone."""
+    last = lanes - 1
     x = rng.standard_normal(96 * 128) * 0.05
     for group in range(96):
-        lane = int(rng.integers(0, 31))
-        places = [lane, 31, 127] if group % 2 == 0 else [lane, 31, 64]
+        lane = int(rng.integers(0, last))
+        places = [lane, last, 127] if group % 2 == 0 else [lane, last, 64]
         x[group * 128 + np.array(places)] = rng.permutation([8.0, -4.0, rng.choice([4.0, 5.5])])
     x[50 * 128 : 51 * 128] = rng.standard_normal(128) * 0.05
-    x[50 * 128 + 31], x[50 * 128 + 127] = 8.0, -5.5
+    x[50 * 128 + last], x[50 * 128 + 127] = 8.0, -5.5
     return x
 
 
@@ -363,15 +365,7 @@ def test_float_groups_count_the_elements_when_few_lanes_are_near_the_top() -> No
     when the bound is under 3. The layout of _few_near_the_top, in those lanes: every
     range ratio is 1 but that of group 50 behind a scalar, where its top stands alone."""
     kernels = _loaded()
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal(96 * 128) * 0.05
-    for group in range(96):
-        lane = int(rng.integers(0, 15))
-        places = [lane, 15, 127] if group % 2 == 0 else [lane, 15, 64]
-        x[group * 128 + np.array(places)] = rng.permutation([8.0, -4.0, rng.choice([4.0, 5.5])])
-    x[50 * 128 : 51 * 128] = rng.standard_normal(128) * 0.05
-    x[50 * 128 + 15], x[50 * 128 + 127] = 8.0, -5.5
-    data = x.astype(np.float32)
+    data = _few_near_the_top(np.random.default_rng(4), lanes=16).astype(np.float32)
     m, g, gj = (native_reduce.Moments.empty(), native_reduce.Groups.empty(),
                 native_reduce.Groups.empty())  # fmt: skip
     kernels.groups("f32", data, 128, 128, 7, 0, 0.0, m, g, data[:1], gj)
