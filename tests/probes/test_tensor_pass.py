@@ -336,3 +336,22 @@ def test_subnormal_groups_are_measured_as_quant_risk_does(
     result, whole = _scan(tmp_path, tensor, "int4-group128")
     assert result.risk is not None
     _same_risk(result.risk, quant_risk(whole, Scheme.parse("int4-group128")))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_joint_risk_counts_elements_on_the_grids_edges_exactly(tmp_path: Path, dtype: str) -> None:
+    """Every group's top is 7 (an int4 step of 1), its other elements on the zero bound
+    (0.5), half the top (3.5) or one step either side of them: the element before each
+    joint block and the one it drops are often exactly on an edge."""
+    rng = np.random.default_rng(11)
+    step = 2.0**-8 if dtype == "bfloat16" else 2.0**-23
+    edges = np.array([0.5, 0.5 - step, 0.5 + 2 * step, 3.5, 3.5 - 8 * step, 3.5 + 16 * step, 0.0])
+    values = rng.choice(np.concatenate([edges, -edges]), (48, 256))
+    values.reshape(-1)[np.arange(96) * 128 + rng.integers(0, 127, 96)] = 7.0
+    tensor = torch.from_numpy(values).to(DTYPES[dtype])
+    scalars = [("s.small", 0.5), ("s.big", 56.25)]
+    result, whole = _scan(tmp_path, tensor, "int4-group128", scalars)
+    assert result.joint is not None and result.risk is not None
+    _same_risk(result.risk, quant_risk(whole, Scheme.parse("int4-group128")))
+    for name, value in scalars:
+        _same_risk(result.joint[name], joint_risk(value, whole, Scheme.parse("int4-group128")))

@@ -667,10 +667,10 @@ static inline int fast_bf16(const uint16_t *p, fast_acc *a, fast_lanes *lanes) {
     return 1;
 }
 /* Pass 2 of a fast group: adds its elements with |v| <= the lower word to *counts (16-bit
- * lanes, 64 a batch at most: fast_count adds them up) and returns a lower bound on how many
- * have 2|v| >= top (the upper word). The lanes holding such an element are one: from 3 up
- * that is all the callers need (the top is not alone, nor in the block one element earlier);
- * below 3, the elements are counted. */
+ * lanes, 64 a batch at most: fast_count adds them up) and returns how many have 2|v| >= top
+ * (the upper word), or a lower bound on it: the number of lanes holding such an element.
+ * From 3 up that is all the callers need (the top is not alone, nor in the block one
+ * element earlier); below 3, the elements are counted. */
 static inline int64_t fast_pass2(const uint16_t *p, const fast_lanes *lanes, uint32_t words,
                                  fast_lanes *counts) {
     const __m512i mag = _mm512_set1_epi16(0x7fff), one = _mm512_set1_epi16(1);
@@ -1339,6 +1339,10 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                                  (const float *)invs, wordss[old], nears, nb_before,        \
                                  (const uint16_t *)x, (const uint16_t *)joint_prev, qmax,   \
                                  first_block + before, gj);                                 \
+            else if (gj != NULL && nb_before && by_lanes)                                   \
+                lanes_joint_batch_f32((const float *const *)ptrs[old], (const float *)tops, \
+                                      (const float *)invs, nears, nb_before, (const float *)x, \
+                                      (const float *)joint_prev, qmax, first_block + before, gj); \
             else if (gj != NULL && nb_before)                                               \
                 joint_batch_##NAME(ptrs[old], group, tops, invs, nears, nb_before, x,       \
                                    joint_prev, qmax, first_block + before, gj);             \
@@ -1437,7 +1441,64 @@ static void fast_joint_batch(const uint16_t *const *ptr, const float *tops, cons
                        nears[j], invs[j], qmax, first_id + j, gj);
     }
 }
+#endif
+#if defined(__AVX512F__) && VBYTES == 64
+/* joint_batch_f32 for a batch of float groups of 128 (one per row, so each block's element
+ * before is the last of the block before), its tests on all 16 groups in one vector, with
+ * the same float compares. */
+static void lanes_joint_batch_f32(const float *const *ptr, const float *tops, const float *invs,
+                                  const int64_t *nears, int nb, const float *x, const float *joint_prev,
+                                  double qmax, int64_t first_id, dw_groups *gj) {
+    const __mmask16 live = (__mmask16)((1u << nb) - 1);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i at = _mm512_add_epi32(_mm512_slli_epi32(lane, 9), _mm512_set1_epi32(508));
+    const __m512 last = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, at, ptr[0], 1);
+    const int has_first = ptr[0] > x || joint_prev != NULL;
+    const float first_prev = ptr[0] > x ? ptr[0][-1] : joint_prev != NULL ? joint_prev[0] : 0.0f;
+    const __m512 prev = _mm512_castsi512_ps(
+        _mm512_alignr_epi32(_mm512_castps_si512(last), _mm512_castps_si512(_mm512_set1_ps(first_prev)), 15));
+    const __m512 ap = (__m512)abs_vf((vf)prev), al = (__m512)abs_vf((vf)last);
+    const __m512 top = _mm512_loadu_ps(tops), inv = _mm512_loadu_ps(invs);
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i nv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(_mm512_loadu_si512(nears))),
+                                          _mm512_cvtepi64_epi32(_mm512_loadu_si512(nears + 8)), 1);
+    /* the own block's near count, less its last, plus the one before */
+    __m512i near_j = _mm512_mask_sub_epi32(nv, _mm512_cmp_ps_mask(_mm512_add_ps(al, al), top, _CMP_GE_OQ), nv, one);
+    near_j = _mm512_mask_add_epi32(near_j, _mm512_cmp_ps_mask(_mm512_add_ps(ap, ap), top, _CMP_GE_OQ), near_j, one);
+    const __mmask16 has = live & (__mmask16)(has_first ? 0xffff : 0xfffe);
+    uint32_t usual = has & _mm512_cmp_ps_mask(al, top, _CMP_LT_OQ) & _mm512_cmp_ps_mask(ap, top, _CMP_LE_OQ) &
+                     _mm512_cmpneq_epi32_mask(near_j, one);
+    const __m512 sp = _mm512_mul_ps(prev, inv), sl = _mm512_mul_ps(last, inv);
+    const __m512 half = _mm512_set1_ps(0.5f), minus_half = _mm512_set1_ps(-0.5f);
+    const uint32_t rp = _mm512_cmp_ps_mask(prev, _mm512_setzero_ps(), _CMP_NEQ_UQ) &
+                        _mm512_cmp_ps_mask(sp, half, _CMP_LE_OQ) & _mm512_cmp_ps_mask(sp, minus_half, _CMP_GE_OQ);
+    const uint32_t rl = _mm512_cmp_ps_mask(last, _mm512_setzero_ps(), _CMP_NEQ_UQ) &
+                        _mm512_cmp_ps_mask(sl, half, _CMP_LE_OQ) & _mm512_cmp_ps_mask(sl, minus_half, _CMP_GE_OQ);
+    uint32_t rest = has;
+    if (gj->worst_block >= 0) { /* no usual block (ratio 1) can become the worst */
+        gj->zero_rounded += __builtin_popcount(usual & rp) - __builtin_popcount(usual & rl);
+        rest &= ~usual;
+        usual = 0;
+    }
+    for (; rest; rest &= rest - 1) { /* in order */
+        const int j = __builtin_ctz(rest);
+        if ((usual >> j & 1) && gj->worst_block >= 0)
+            gj->zero_rounded += (int64_t)(rp >> j & 1) - (int64_t)(rl >> j & 1);
+        else
+            joint_f32(ptr[j], 128, j ? ptr[j][-1] : first_prev, tops[j], nears[j], invs[j], qmax,
+                      first_id + j, gj);
+    }
+}
 #else
+static inline void lanes_joint_batch_f32(const float *const *ptr, const float *tops, const float *invs,
+                                         const int64_t *nears, int nb, const float *x,
+                                         const float *joint_prev, double qmax, int64_t first_id,
+                                         dw_groups *gj) {
+    (void)ptr, (void)tops, (void)invs, (void)nears, (void)nb, (void)x;
+    (void)joint_prev, (void)qmax, (void)first_id, (void)gj;
+}
+#endif
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64)
 static inline void fast_joint_batch(const uint16_t *const *ptr, const float *tops, const float *invs,
                                     const uint32_t *words, const int64_t *nears, int nb,
                                     const uint16_t *x, const uint16_t *joint_prev, double qmax,
