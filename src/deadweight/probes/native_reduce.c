@@ -926,6 +926,23 @@ static inline int fast_none(const void *p, fast_acc *a, fast_lanes *lanes) {
         }                                                                                   \
     }
 
+/* The next of a batch's joint blocks (lane bits in `rest`, taken out as they are done) that
+ * needs joint_*, or -1 when none is left. Once a worst block exists, every usual block left
+ * only changes the count of elements rounding to 0 (`rp` for the element before it, `rl`
+ * for the last one it drops): its ratio is 1, and it cannot become the worst. */
+static inline int joint_next_slow(uint32_t *rest, uint32_t usual, uint32_t rp, uint32_t rl,
+                                  dw_groups *gj) {
+    if (gj->worst_block >= 0) {
+        gj->zero_rounded += __builtin_popcount(*rest & usual & rp) -
+                            __builtin_popcount(*rest & usual & rl);
+        *rest &= ~usual;
+    }
+    if (!*rest) return -1;
+    const int j = __builtin_ctz(*rest);
+    *rest &= *rest - 1;
+    return j;
+}
+
 /*
  * The joint blocks of a batch of own blocks (all of `len` elements), in vectors: in nearly
  * every block the element before it and its own last element are both below its largest
@@ -975,20 +992,8 @@ static inline int fast_none(const void *p, fast_acc *a, fast_lanes *lanes) {
             rp_bits |= (uint32_t)(rp[j] != 0) << j;                                         \
             rl_bits |= (uint32_t)(rl[j] != 0) << j;                                         \
         }                                                                                   \
-        if (gj->worst_block >= 0) { /* no usual block (ratio 1) can become the worst */     \
-            gj->zero_rounded += __builtin_popcount(usual_bits & rp_bits) -                  \
-                                __builtin_popcount(usual_bits & rl_bits);                   \
-            has_bits &= ~usual_bits;                                                        \
-            usual_bits = 0;                                                                 \
-        }                                                                                   \
-        for (; has_bits; has_bits &= has_bits - 1) { /* in order */                         \
-            const int j = __builtin_ctz(has_bits);                                          \
-            if ((usual_bits >> j & 1) && gj->worst_block >= 0)                              \
-                gj->zero_rounded += (int64_t)(rp_bits >> j & 1) - (int64_t)(rl_bits >> j & 1); \
-            else                                                                            \
-                joint_##NAME(ptr[j], len, prev[j], tops[j], nears[j], invs[j], qmax,        \
-                             first_id + j, gj);                                             \
-        }                                                                                   \
+        for (int j; (j = joint_next_slow(&has_bits, usual_bits, rp_bits, rl_bits, gj)) >= 0;) \
+            joint_##NAME(ptr[j], len, prev[j], tops[j], nears[j], invs[j], qmax, first_id + j, gj); \
     }
 
 /*
@@ -1421,25 +1426,15 @@ static void fast_joint_batch(const uint16_t *const *ptr, const float *tops, cons
     __m512i near_j = _mm512_mask_sub_epi32(nv, _mm512_cmpge_epu32_mask(al, hi), nv, one);
     near_j = _mm512_mask_add_epi32(near_j, _mm512_cmpge_epu32_mask(ap, hi), near_j, one);
     const __mmask16 has = live & (__mmask16)(has_first ? 0xffff : 0xfffe);
-    uint32_t usual = has & _mm512_cmple_epu32_mask(top, _mm512_set1_epi32(0x7f80)) &
+    const uint32_t usual = has & _mm512_cmple_epu32_mask(top, _mm512_set1_epi32(0x7f80)) &
                      _mm512_cmplt_epu32_mask(al, top) & _mm512_cmple_epu32_mask(ap, top) &
                      _mm512_cmpneq_epi32_mask(near_j, one);
     const uint32_t rp = _mm512_test_epi32_mask(ap, ap) & _mm512_cmple_epu32_mask(ap, lo);
     const uint32_t rl = _mm512_test_epi32_mask(al, al) & _mm512_cmple_epu32_mask(al, lo);
     uint32_t rest = has;
-    if (gj->worst_block >= 0) { /* no usual block (ratio 1) can become the worst */
-        gj->zero_rounded += __builtin_popcount(usual & rp) - __builtin_popcount(usual & rl);
-        rest &= ~usual;
-        usual = 0;
-    }
-    for (; rest; rest &= rest - 1) { /* in order */
-        const int j = __builtin_ctz(rest);
-        if ((usual >> j & 1) && gj->worst_block >= 0)
-            gj->zero_rounded += (int64_t)(rp >> j & 1) - (int64_t)(rl >> j & 1);
-        else
-            joint_bf16(ptr[j], 128, j ? load_bf16(ptr[j], -1) : load_bf16(&first_prev, 0), tops[j],
-                       nears[j], invs[j], qmax, first_id + j, gj);
-    }
+    for (int j; (j = joint_next_slow(&rest, usual, rp, rl, gj)) >= 0;)
+        joint_bf16(ptr[j], 128, j ? load_bf16(ptr[j], -1) : load_bf16(&first_prev, 0), tops[j], nears[j],
+                   invs[j], qmax, first_id + j, gj);
 }
 #endif
 #if defined(__AVX512F__) && VBYTES == 64
@@ -1466,7 +1461,7 @@ static void lanes_joint_batch_f32(const float *const *ptr, const float *tops, co
     __m512i near_j = _mm512_mask_sub_epi32(nv, _mm512_cmp_ps_mask(_mm512_add_ps(al, al), top, _CMP_GE_OQ), nv, one);
     near_j = _mm512_mask_add_epi32(near_j, _mm512_cmp_ps_mask(_mm512_add_ps(ap, ap), top, _CMP_GE_OQ), near_j, one);
     const __mmask16 has = live & (__mmask16)(has_first ? 0xffff : 0xfffe);
-    uint32_t usual = has & _mm512_cmp_ps_mask(al, top, _CMP_LT_OQ) & _mm512_cmp_ps_mask(ap, top, _CMP_LE_OQ) &
+    const uint32_t usual = has & _mm512_cmp_ps_mask(al, top, _CMP_LT_OQ) & _mm512_cmp_ps_mask(ap, top, _CMP_LE_OQ) &
                      _mm512_cmpneq_epi32_mask(near_j, one);
     const __m512 sp = _mm512_mul_ps(prev, inv), sl = _mm512_mul_ps(last, inv);
     const __m512 half = _mm512_set1_ps(0.5f), minus_half = _mm512_set1_ps(-0.5f);
@@ -1475,19 +1470,9 @@ static void lanes_joint_batch_f32(const float *const *ptr, const float *tops, co
     const uint32_t rl = _mm512_cmp_ps_mask(last, _mm512_setzero_ps(), _CMP_NEQ_UQ) &
                         _mm512_cmp_ps_mask(sl, half, _CMP_LE_OQ) & _mm512_cmp_ps_mask(sl, minus_half, _CMP_GE_OQ);
     uint32_t rest = has;
-    if (gj->worst_block >= 0) { /* no usual block (ratio 1) can become the worst */
-        gj->zero_rounded += __builtin_popcount(usual & rp) - __builtin_popcount(usual & rl);
-        rest &= ~usual;
-        usual = 0;
-    }
-    for (; rest; rest &= rest - 1) { /* in order */
-        const int j = __builtin_ctz(rest);
-        if ((usual >> j & 1) && gj->worst_block >= 0)
-            gj->zero_rounded += (int64_t)(rp >> j & 1) - (int64_t)(rl >> j & 1);
-        else
-            joint_f32(ptr[j], 128, j ? ptr[j][-1] : first_prev, tops[j], nears[j], invs[j], qmax,
-                      first_id + j, gj);
-    }
+    for (int j; (j = joint_next_slow(&rest, usual, rp, rl, gj)) >= 0;)
+        joint_f32(ptr[j], 128, j ? ptr[j][-1] : first_prev, tops[j], nears[j], invs[j], qmax,
+                  first_id + j, gj);
 }
 #else
 static inline void lanes_joint_batch_f32(const float *const *ptr, const float *tops, const float *invs,
