@@ -1279,7 +1279,8 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                     /* NaN never enters the minimum or maximum on x86; elsewhere it         \
                      * makes top NaN, and the tensor's risk is undefined with NaN anyway */ \
                     const V top_lanes = MAX(ghi, -glo);                                     \
-                    if (LANES) memcpy(&lanes_f[cur][j], &top_lanes, sizeof top_lanes);       \
+                    if (by_lanes) memcpy(&lanes_f[LANES ? cur : 0][LANES ? j : 0], &top_lanes, \
+                                         sizeof top_lanes);                                 \
                     const R16 folded = FOLD(top_lanes);                                     \
                     memcpy(part[j], &folded, sizeof folded);                                \
                     tails[j] = u1;                                                          \
