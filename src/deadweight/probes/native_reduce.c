@@ -18,7 +18,9 @@
  * grids of a batch are computed together in vectors while the previous batch's second pass
  * runs, and counts come from compare masks as scalars, so a group needs no horizontal sum.
  * bf16 groups of 128 have a path of their own where the CPU has bf16 dot products
- * (fast_bf16), with their grids looked up in a table of every bf16 magnitude's grid.
+ * (fast_bf16), with their grids looked up in a table of every bf16 magnitude's grid; there,
+ * and for float32 groups of 128 on AVX-512 (lanes_pass2_f32), pass 2 counts in vector lanes
+ * added up once a batch, and the blocks behind a scalar are tested 16 groups to a vector.
  */
 #include <math.h>
 #include <stdint.h>

@@ -4,9 +4,9 @@ Each tensor is streamed in chunks of its stored bytes (zero-copy windows of the 
 safetensors; bf16 and fp16 are converted inside the kernel, not into a buffer). Each chunk
 is cut into pieces (at least one per thread), which the calling thread and the pool's take
 as they come free; ctypes releases the GIL, so the pieces are reduced in parallel, and
-their results are merged in order. The same pass also measures the default quantization scheme (symmetric, per group
-of fewer than 1 / (1 - bulk quantile) elements) when asked; other schemes are measured in
-bounded chunks by `quant_stream`.
+their results are merged in order. The same pass also measures the default quantization
+scheme (symmetric, per group of fewer than 1 / (1 - bulk quantile) elements) when asked;
+other schemes are measured in bounded chunks by `quant_stream`.
 
 `scan_tensor` returns None whenever this path does not apply (no kernels, an element type
 they do not read, a layout they do not cover); the caller then uses the numpy/torch path,
