@@ -30,6 +30,10 @@ from deadweight.readers.base import (
     widen,
 )
 
+# Pages are dropped from the process in whole pieces of this size (see _drop): the size a
+# page-table entry of the middle level maps on x86-64 and arm64 with 4 KB pages.
+HUGE_PAGE = 2 << 20
+
 # safetensors' dtype strings -> our canonical names.
 SAFETENSORS_DTYPES = {
     "F64": "float64",
@@ -269,26 +273,45 @@ class SafetensorsFile(ReaderBase):
             finally:
                 # The consumer is done with the window, or stopped reading (a closed or
                 # dropped generator): drop its pages from this process (they stay in the
-                # page cache), so resident memory stays at one window per open read.
-                start = position - position % mmap.PAGESIZE
-                if hasattr(mapped, "madvise") and not mapped.closed:
-                    mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+                # page cache), so resident memory stays at one window per open read. The
+                # huge page it starts in goes too (what came before it is read); the one it
+                # ends in stays for the next window, which starts there.
+                self._drop(position // HUGE_PAGE * HUGE_PAGE, end, whole=True)
             position = end
             remaining -= n
 
     def release(self, entry: TensorEntry, window: np.ndarray) -> None:
-        # Only the pages wholly inside the window: its neighbours may still be read by
+        # Only the huge pages wholly inside the window: its neighbours may still be read by
         # another thread. raw_chunks drops the rest of the chunk when it moves on. Dropping
         # here, in parallel, took 15% of a two-thread scan off the main thread.
-        mapped, base = self._mm, self._base
-        if mapped is None or not hasattr(mapped, "madvise") or not window.nbytes:
+        mapped = self._mm
+        if mapped is None or not window.nbytes:
             return
-        start = window.ctypes.data - base
+        start = window.ctypes.data - self._base
         end = start + window.nbytes
-        if start < 0 or end > len(mapped):
-            return  # not a view of this map (a converted copy)
-        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-        last = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if start >= 0 and end <= len(mapped):  # else not a view of this map (a copy)
+            self._drop(start, end, whole=False)
+
+    def _drop(self, start: int, end: int, *, whole: bool) -> None:
+        """Drops the map's pages between offsets start and end from this process, in whole
+        2 MB pieces of the address space: `end` is rounded down to one, and `start` down
+        (`whole`) or up.
+
+        A freshly written file sits in the page cache in 2 MB folios, which the kernel maps
+        whole (one entry of the page table's middle level); dropping part of one splits that
+        entry into 512 (a TLB shootdown across cores, then a fault for each 64 KB read after
+        it). On a freshly written 2.15 GB bf16 file, one scan split 320-336 such entries
+        when dropping page by page and none this way; its system time fell from 15-26 ms to
+        14 ms. Elsewhere (4 KB pages) the rounding only delays a few pages to the next drop."""
+        mapped = self._mm
+        if mapped is None or mapped.closed or not hasattr(mapped, "madvise"):
+            return
+        base = self._base
+        first = (base + start) // HUGE_PAGE * HUGE_PAGE
+        if not whole and first < base + start:
+            first += HUGE_PAGE
+        first = max(first - base, 0)
+        last = min((base + end) // HUGE_PAGE * HUGE_PAGE - base, len(mapped))
         if last > first:
             mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
 
