@@ -17,10 +17,11 @@
  * those of deadweight/probes/quantization.py, element for element. Groups go in batches: the
  * grids of a batch are computed together in vectors while the previous batch's second pass
  * runs, and counts come from compare masks as scalars, so a group needs no horizontal sum.
- * bf16 groups of 128 have a path of their own where the CPU has bf16 dot products
- * (fast_bf16), with their grids looked up in a table of every bf16 magnitude's grid; there,
- * and for float32 groups of 128 on AVX-512 (lanes_pass2_f32), pass 2 counts in vector lanes
- * added up once a batch, and the blocks behind a scalar are tested 16 groups to a vector.
+ * bf16 rows of one group of 128 have a loop of their own where the CPU has bf16 dot
+ * products (fast_groups_bf16), with their grids looked up in a table of every bf16
+ * magnitude's grid; there, and for float32 groups of 128 on AVX-512 (lanes_pass2_f32), pass
+ * 2 counts in vector lanes added up once a batch, and the blocks behind a scalar are tested
+ * 16 groups to a vector.
  */
 #include <math.h>
 #include <stdint.h>
@@ -577,14 +578,12 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
 #define LANES_COUNT(a, b) _Generic((a), vfm: lanes_count_vfm, vdm: lanes_count_vdm)(a, b)
 
 /* Adds the accumulators of `n` elements into *m; `ok` becomes 0 when they held NaN/Inf (or
- * squares beyond float range) and the caller must redo those elements with the slow path.
- * EXTRA may add other accumulators of the same elements into fs, fq, flo, fhi and fz. */
-#define ACC_FLUSH(W, n, ok, EXTRA)                                                          \
+ * squares beyond float range) and the caller must redo those elements with the slow path. */
+#define ACC_FLUSH(W, n, ok)                                                                 \
     do {                                                                                    \
         double fs = LANES(sum, ss, s, s2), fq = LANES(sum, sq, q, q2);                      \
         double flo = LANES(min, slo, lo, lo2), fhi = LANES(max, shi, hi, hi2);              \
         int64_t fz = sz + LANES_COUNT(z, z2);                                               \
-        EXTRA;                                                                              \
         ok = isfinite(fs) && isfinite(fq) && isfinite(flo) && isfinite(fhi);                \
         if (ok) {                                                                           \
             m->count += (n);                                                                \
@@ -631,9 +630,8 @@ static inline void fast_init(fast_acc *a) {
 }
 typedef __m512i fast_lanes;
 /* Adds the group of 128 at p, and keeps its 32 lanes' largest magnitudes (each of 4
- * elements) in *lanes for pass 2; with p NULL, says that this build has the path. */
-static inline int fast_bf16(const uint16_t *p, fast_acc *a, fast_lanes *lanes) {
-    if (p == NULL) return 1;
+ * elements) in *lanes for pass 2. */
+static inline void fast_bf16(const uint16_t *p, fast_acc *a, fast_lanes *lanes) {
     const __m512i mag = _mm512_set1_epi16(0x7fff);
     const __m512bh one = (__m512bh)_mm512_set1_epi16(0x3f80);
     const __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 32);
@@ -666,7 +664,6 @@ static inline int fast_bf16(const uint16_t *p, fast_acc *a, fast_lanes *lanes) {
      * groups (fast_tops), and kept for pass 2 */
     *lanes = _mm512_max_epu16(_mm512_max_epu16(m0, m1), _mm512_max_epu16(m2, m3));
     a->groups++;
-    return 1;
 }
 /* Pass 2 of a fast group: adds its elements with |v| <= the lower word to *counts (16-bit
  * lanes, 64 a batch at most: fast_count adds them up) and returns how many have 2|v| >= top
@@ -755,36 +752,6 @@ static inline void fast_flush(fast_acc *a, double sh, double *fs, double *fq, do
     *fhi = hi > *fhi ? hi : *fhi;
     fast_init(a);
 }
-#else
-typedef struct {
-    int unused;
-} fast_acc;
-typedef struct {
-    char unused;
-} fast_lanes;
-static inline void fast_tops(const fast_lanes *lanes, float *tops) { (void)lanes, (void)tops; }
-static inline int64_t fast_pass2(const uint16_t *p, const fast_lanes *lanes, uint32_t words,
-                                 fast_lanes *counts) {
-    (void)p, (void)lanes, (void)words, (void)counts;
-    return 0;
-}
-static inline int64_t fast_count(fast_lanes *counts) {
-    (void)counts;
-    return 0;
-}
-static inline void fast_init(fast_acc *a) { a->unused = 0; }
-static inline void fast_flush(fast_acc *a, double sh, double *fs, double *fq, double *flo, double *fhi,
-                              int64_t *fz) {
-    (void)a, (void)sh, (void)fs, (void)fq, (void)flo, (void)fhi, (void)fz;
-}
-#endif
-/* The types without a fast path, and bf16 where the CPU has no bf16 dot product. */
-static inline int fast_none(const void *p, fast_acc *a, fast_lanes *lanes) {
-    (void)p, (void)a, (void)lanes;
-    return 0;
-}
-#if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64)
-#define fast_bf16 fast_none
 #endif
 
 /* Moments of n elements. */
@@ -809,7 +776,7 @@ static inline int fast_none(const void *p, fast_acc *a, fast_lanes *lanes) {
                 ACC_ADD_SCALAR(v, sh);                                                      \
             }                                                                               \
             int ok;                                                                         \
-            ACC_FLUSH(W, len, ok, (void)0);                                                 \
+            ACC_FLUSH(W, len, ok);                                                          \
             if (!ok) slow_##NAME(p, len, (double)sh, m);                                    \
         }                                                                                   \
     }
@@ -1147,9 +1114,6 @@ static inline void table_grids(const uint32_t *table, const float *tops, float *
         memcpy(&invs[j], &e[1], sizeof invs[j]);
     }
 }
-static inline void no_table_grids(const uint32_t *table, const void *tops, void *invs, uint32_t *words) {
-    (void)table, (void)tops, (void)invs, (void)words;
-}
 
 static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, float bound,
                                  uint32_t words, int64_t *below) {
@@ -1191,12 +1155,11 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
  * when `cols == group`. `joint_prev` points at the element before x, or is NULL when x starts
  * the tensor (that block holds the scalar; the caller measures it).
  */
-#define DEFINE_GROUPS(NAME, SRC, VAL, V, VM, W, MIN, MAX, R16, FOLD, TOPS, GRIDS, WORDS, FAST,  \
-                      FAST_GRIDS, LANES, VLOAD2, LOAD)                                      \
-    static inline __attribute__((always_inline)) void groups_##NAME(                        \
-        const SRC *x, int64_t rows, int64_t cols, int64_t group, double qmax,                \
-        int64_t first_block, double shift, dw_moments *m, dw_groups *g, const SRC *joint_prev, \
-        dw_groups *gj, const uint32_t *grid_table, const int fast) {                        \
+#define DEFINE_GROUPS(NAME, SRC, VAL, V, VM, W, MIN, MAX, R16, FOLD, TOPS, GRIDS, WORDS,        \
+                      FAST_GROUPS, LANES, VLOAD2, LOAD)                                     \
+    static void groups_##NAME(const SRC *x, int64_t rows, int64_t cols, int64_t group,      \
+                              double qmax, int64_t first_block, double shift, dw_moments *m, \
+                              dw_groups *g, const SRC *joint_prev, dw_groups *gj) {          \
         const VAL sh = (VAL)shift;                                                          \
         const int64_t per_row = (cols + group - 1) / group;                                 \
         const int64_t blocks = rows * per_row;                                              \
@@ -1205,18 +1168,12 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
         const int64_t zeros_before = m->zeros;                                              \
         int64_t pending = 0; /* elements accumulated since the last flush */                \
         const SRC *flush_start = x;                                                         \
-        fast_acc fa;                                                                        \
-        fast_init(&fa);                                                                     \
         /* two batches in flight: pass 2 of the previous batch runs while the grids of the  \
          * current one, a long chain of divisions, are computed */                          \
         const SRC *ptrs[2][GROUP_BATCH];                                                    \
         int64_t lengths[2][GROUP_BATCH];                                                    \
         VAL topss[2][GROUP_BATCH], invss[2][GROUP_BATCH], boundss[2][GROUP_BATCH];          \
         uint32_t wordss[2][GROUP_BATCH];                                                    \
-        fast_lanes laness[2][GROUP_BATCH]; /* the fast groups' lanes */                     \
-        memset(laness, 0, sizeof laness); /* a batch's unused ones are folded too */        \
-        fast_lanes counts;                /* fast_pass2's */                                \
-        memset(&counts, 0, sizeof counts);                                                  \
         /* float groups of 128: their lanes' largest magnitudes, and lanes_pass2_f32's counts */ \
         vf lanes_f[LANES ? 2 : 1][LANES ? GROUP_BATCH : 1], counts_f = (vf){};              \
         const int by_lanes = LANES && group == 128 && cols % 128 == 0;                      \
@@ -1247,51 +1204,46 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                  * 4.6 -> 5.7 GB/s, fp32 7.6 -> 8.1 on two threads; 4 KB and 16 KB less) */  \
                 for (int64_t b = 0; b < len * (int64_t)sizeof(SRC); b += 64)                 \
                     __builtin_prefetch((const char *)p + b + 8192);                         \
-                if (fast) { /* a group of 128 */                                            \
-                    FAST(p, &fa, &laness[cur][j]);                                          \
-                } else {                                                                    \
-                    V glo = (V){} + (VAL)INFINITY, ghi = (V){} - (VAL)INFINITY;             \
-                    V glo2 = glo, ghi2 = ghi;                                               \
-                    VAL u1 = 0;                                                             \
-                    int64_t i = 0;                                                          \
-                    if (len == 128) { /* the usual group: a constant count, unrolled */     \
-                        for (; i < 128; i += 2 * (W)) {                                     \
-                            V v, w;                                                         \
-                            VLOAD2(p, i, &v, &w);                                           \
-                            ACC_ADD(MIN, MAX, VM, v, sh, glo, ghi, s, q, z);                \
-                            ACC_ADD(MIN, MAX, VM, w, sh, glo2, ghi2, s2, q2, z2);           \
-                        }                                                                   \
-                    }                                                                       \
-                    for (; i + 2 * (W) <= len; i += 2 * (W)) {                              \
+                V glo = (V){} + (VAL)INFINITY, ghi = (V){} - (VAL)INFINITY;                 \
+                V glo2 = glo, ghi2 = ghi;                                                   \
+                VAL u1 = 0;                                                                 \
+                int64_t i = 0;                                                              \
+                if (len == 128) { /* the usual group: a constant count, unrolled */         \
+                    for (; i < 128; i += 2 * (W)) {                                         \
                         V v, w;                                                             \
                         VLOAD2(p, i, &v, &w);                                               \
                         ACC_ADD(MIN, MAX, VM, v, sh, glo, ghi, s, q, z);                    \
                         ACC_ADD(MIN, MAX, VM, w, sh, glo2, ghi2, s2, q2, z2);               \
                     }                                                                       \
-                    for (; i < len; i++) {                                                  \
-                        const VAL v = LOAD(p, i);                                           \
-                        ACC_ADD_SCALAR(v, sh);                                              \
-                        const VAL a = v < 0 ? -v : v;                                       \
-                        u1 = a > u1 ? a : u1;                                               \
-                    }                                                                       \
-                    glo = MIN(glo, glo2);                                                   \
-                    ghi = MAX(ghi, ghi2);                                                   \
-                    lo = MIN(glo, lo);                                                      \
-                    hi = MAX(ghi, hi);                                                      \
-                    /* NaN never enters the minimum or maximum on x86; elsewhere it         \
-                     * makes top NaN, and the tensor's risk is undefined with NaN anyway */ \
-                    const V top_lanes = MAX(ghi, -glo);                                     \
-                    if (by_lanes) memcpy(&lanes_f[LANES ? cur : 0][LANES ? j : 0], &top_lanes, \
-                                         sizeof top_lanes);                                 \
-                    const R16 folded = FOLD(top_lanes);                                     \
-                    memcpy(part[j], &folded, sizeof folded);                                \
-                    tails[j] = u1;                                                          \
                 }                                                                           \
+                for (; i + 2 * (W) <= len; i += 2 * (W)) {                                  \
+                    V v, w;                                                                 \
+                    VLOAD2(p, i, &v, &w);                                                   \
+                    ACC_ADD(MIN, MAX, VM, v, sh, glo, ghi, s, q, z);                        \
+                    ACC_ADD(MIN, MAX, VM, w, sh, glo2, ghi2, s2, q2, z2);                   \
+                }                                                                           \
+                for (; i < len; i++) {                                                      \
+                    const VAL v = LOAD(p, i);                                               \
+                    ACC_ADD_SCALAR(v, sh);                                                  \
+                    const VAL a = v < 0 ? -v : v;                                           \
+                    u1 = a > u1 ? a : u1;                                                   \
+                }                                                                           \
+                glo = MIN(glo, glo2);                                                       \
+                ghi = MAX(ghi, ghi2);                                                       \
+                lo = MIN(glo, lo);                                                          \
+                hi = MAX(ghi, hi);                                                          \
+                /* NaN never enters the minimum or maximum on x86; elsewhere it             \
+                 * makes top NaN, and the tensor's risk is undefined with NaN anyway */     \
+                const V top_lanes = MAX(ghi, -glo);                                         \
+                if (by_lanes) memcpy(&lanes_f[LANES ? cur : 0][LANES ? j : 0], &top_lanes,  \
+                                     sizeof top_lanes);                                     \
+                const R16 folded = FOLD(top_lanes);                                         \
+                memcpy(part[j], &folded, sizeof folded);                                    \
+                tails[j] = u1;                                                              \
                 pending += len;                                                             \
                 if (pending >= FLUSH) {                                                     \
                     int ok;                                                                 \
-                    ACC_FLUSH(W, pending, ok,                                               \
-                              fast_flush(&fa, (double)sh, &fs, &fq, &flo, &fhi, &fz));      \
+                    ACC_FLUSH(W, pending, ok);                                              \
                     if (!ok) slow_##NAME(flush_start, pending, (double)sh, m);              \
                     ACC_RESET(VAL, V, VM);                                                  \
                     flush_start = p + len;                                                  \
@@ -1299,14 +1251,9 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 }                                                                           \
             }                                                                               \
             if (nb) {                                                                       \
-                if (fast) { /* the caller gives fast groups a table */                      \
-                    fast_tops(laness[cur], (float *)topss[cur]);                            \
-                    FAST_GRIDS(grid_table, topss[cur], invss[cur], wordss[cur]);            \
-                } else {                                                                    \
-                    TOPS(part, tails, topss[cur]);                                          \
-                    GRIDS(topss[cur], qmax, invss[cur], boundss[cur], nb);                  \
-                    WORDS(topss[cur], boundss[cur], wordss[cur], nb);                       \
-                }                                                                           \
+                TOPS(part, tails, topss[cur]);                                              \
+                GRIDS(topss[cur], qmax, invss[cur], boundss[cur], nb);                      \
+                WORDS(topss[cur], boundss[cur], wordss[cur], nb);                           \
             }                                                                               \
             /* pass 2 of the previous batch, from L1 or L2: elements rounding to 0, and     \
              * whether the top is alone */                                                  \
@@ -1318,9 +1265,7 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 const int64_t len = lengths[old][j];                                        \
                 const VAL top = tops[j];                                                    \
                 const uint32_t words = wordss[old][j];                                      \
-                const int64_t near = fast ? fast_pass2((const uint16_t *)p, &laness[old][j], words, \
-                                                       &counts)                             \
-                                     : by_lanes ? lanes_pass2_f32((const float *)p,         \
+                const int64_t near = by_lanes ? lanes_pass2_f32((const float *)p,         \
                                                                   &lanes_f[LANES ? old : 0][LANES ? j : 0], \
                                                                   (float)top, (float)bounds[j], &counts_f) \
                                      : len == 128                                           \
@@ -1342,19 +1287,13 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                 }                                                                           \
                 nears[j] = near;                                                            \
             }                                                                               \
-            if (gj != NULL && nb_before && fast)                                            \
-                fast_joint_batch((const uint16_t *const *)ptrs[old], (const float *)tops,   \
-                                 (const float *)invs, wordss[old], nears, nb_before,        \
-                                 (const uint16_t *)x, (const uint16_t *)joint_prev, qmax,   \
-                                 first_block + before, gj);                                 \
-            else if (gj != NULL && nb_before && by_lanes)                                   \
+            if (gj != NULL && nb_before && by_lanes)                                        \
                 lanes_joint_batch_f32((const float *const *)ptrs[old], (const float *)tops, \
                                       (const float *)invs, nears, nb_before, (const float *)x, \
                                       (const float *)joint_prev, qmax, first_block + before, gj); \
             else if (gj != NULL && nb_before)                                               \
                 joint_batch_##NAME(ptrs[old], group, tops, invs, nears, nb_before, x,       \
                                    joint_prev, qmax, first_block + before, gj);             \
-            if (fast) below += fast_count(&counts);                                        \
             if (by_lanes) below += lanes_count_f32(&counts_f);                              \
             /* every zero was counted as rounding to 0 (they are taken out at the end) */   \
             g->zero_rounded += below;                                                       \
@@ -1365,7 +1304,7 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
         }                                                                                   \
         if (pending) {                                                                      \
             int ok;                                                                         \
-            ACC_FLUSH(W, pending, ok, fast_flush(&fa, (double)sh, &fs, &fq, &flo, &fhi, &fz)); \
+            ACC_FLUSH(W, pending, ok);                                                      \
             if (!ok) slow_##NAME(flush_start, pending, (double)sh, m);                      \
         }                                                                                   \
         /* every zero was counted as rounding to 0: it is not a non-zero element */         \
@@ -1375,13 +1314,9 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                           double qmax, int64_t first_block, double shift, dw_moments *m,    \
                           dw_groups *g, const SRC *joint_prev, dw_groups *gj,               \
                           const uint32_t *grid_table) {                                     \
-        /* the fast groups get a copy of their own, free of the float lanes' registers */   \
-        if (FAST(NULL, NULL, NULL) && grid_table && group == 128 && cols % 128 == 0)        \
-            groups_##NAME(x, rows, cols, 128, qmax, first_block, shift, m, g, joint_prev, gj, \
-                          grid_table, 1);                                                   \
-        else                                                                                \
-            groups_##NAME(x, rows, cols, group, qmax, first_block, shift, m, g, joint_prev, gj, \
-                          NULL, 0);                                                         \
+        if (!FAST_GROUPS(x, rows, cols, group, qmax, first_block, shift, m, g, joint_prev, gj, \
+                         grid_table))                                                       \
+            groups_##NAME(x, rows, cols, group, qmax, first_block, shift, m, g, joint_prev, gj); \
     }
 
 DEFINE_MOMENTS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, vload2_f32, load_f32)
@@ -1439,7 +1374,97 @@ static void fast_joint_batch(const uint16_t *const *ptr, const float *tops, cons
         joint_bf16(ptr[j], 128, j ? load_bf16(ptr[j], -1) : load_bf16(&first_prev, 0), tops[j], nears[j],
                    invs[j], qmax, first_id + j, gj);
 }
+
+/* The groups of DEFINE_GROUPS when they are bf16 rows of one group of 128 each, back to back,
+ * and the caller gives the grid table: the same passes and results with nothing the other
+ * layouts need. Every batch of 16 groups is one flush (FLUSH elements). Returns 0, having
+ * done nothing, for any other layout. */
+_Static_assert(FLUSH == 128 * GROUP_BATCH, "a batch of fast groups is one flush");
+static int fast_groups_bf16(const uint16_t *x, int64_t rows, int64_t cols, int64_t group, double qmax,
+                            int64_t first_block, double shift, dw_moments *m, dw_groups *g,
+                            const uint16_t *joint_prev, dw_groups *gj, const uint32_t *table) {
+    if (table == NULL || group != 128 || cols % 128 != 0) return 0;
+    const int64_t blocks = rows * (cols / 128);
+    const float sh = (float)shift;
+    const int64_t zeros_before = m->zeros;
+    fast_acc fa;
+    fast_init(&fa);
+    fast_lanes lanes[2][GROUP_BATCH];
+    memset(lanes, 0, sizeof lanes); /* a short batch's unused lanes are folded too */
+    fast_lanes counts = _mm512_setzero_si512();
+    float tops[2][GROUP_BATCH], invs[2][GROUP_BATCH];
+    uint32_t words[2][GROUP_BATCH];
+    const uint16_t *ptrs[2][GROUP_BATCH];
+    int64_t nears[GROUP_BATCH] = {0}, zero_rounded = 0;
+    int64_t before = 0; /* the previous batch's first block */
+    int nb_before = 0, cur = 0;
+    for (int64_t first = 0;; first += GROUP_BATCH) {
+        const int nb = first >= blocks ? 0 : blocks - first < GROUP_BATCH ? (int)(blocks - first) : GROUP_BATCH;
+        /* pass 1, from memory, with the data 8 KB ahead (see DEFINE_GROUPS) */
+        const uint16_t *batch = x + first * 128;
+        for (int j = 0; j < nb; j++) {
+            const uint16_t *p = batch + 128 * j;
+            ptrs[cur][j] = p;
+            for (int b = 0; b < 256; b += 64) __builtin_prefetch((const char *)p + b + 8192);
+            fast_bf16(p, &fa, &lanes[cur][j]);
+        }
+        if (nb) { /* the flush, as ACC_FLUSH adds it; NaN/Inf sends it to the slow path */
+            double fs = 0.0, fq = 0.0, flo = INFINITY, fhi = -INFINITY;
+            int64_t fz = 0;
+            fast_flush(&fa, (double)sh, &fs, &fq, &flo, &fhi, &fz);
+            if (isfinite(fs) && isfinite(fq) && isfinite(flo) && isfinite(fhi)) {
+                m->count += 128 * nb;
+                m->sum += fs;
+                m->squares += fq;
+                m->zeros += fz;
+                if (flo < m->min) m->min = flo;
+                if (fhi > m->max) m->max = fhi;
+            } else {
+                slow_bf16(batch, 128 * nb, (double)sh, m);
+            }
+            fast_tops(lanes[cur], tops[cur]);
+            table_grids(table, tops[cur], invs[cur], words[cur]);
+        }
+        /* pass 2 of the previous batch, from L1 */
+        const int old = cur ^ 1;
+        for (int j = 0; j < nb_before; j++) {
+            const uint16_t *p = ptrs[old][j];
+            const int64_t near = fast_pass2(p, &lanes[old][j], words[old][j], &counts);
+            double ratio = 1.0;
+            if (__builtin_expect(near == 1, 0)) { /* top is alone: the bulk ends at the second */
+                const float top = tops[old][j];
+                float second = 0;
+                for (int e = 0; e < 128; e++) {
+                    const float v = load_bf16(p, e), a = v < 0 ? -v : v;
+                    if (!(a + a >= top) && a > second) second = a;
+                }
+                ratio = second > 0 ? fmax((double)top / (double)second, 1.0) : 1.0;
+            }
+            if (ratio > g->worst_ratio || g->worst_block < 0) {
+                g->worst_ratio = ratio;
+                g->worst_block = first_block + before + j;
+            }
+            nears[j] = near;
+        }
+        if (gj != NULL && nb_before)
+            fast_joint_batch(ptrs[old], tops[old], invs[old], words[old], nears, nb_before, x, joint_prev,
+                             qmax, first_block + before, gj);
+        zero_rounded += fast_count(&counts);
+        if (!nb) break;
+        before = first;
+        nb_before = nb;
+        cur = old;
+    }
+    /* every zero was counted as rounding to 0: it is not a non-zero element */
+    g->zero_rounded += zero_rounded - (m->zeros - zeros_before);
+    return 1;
+}
+#else
+#define fast_groups_bf16 no_fast_groups
 #endif
+/* The types without a path of their own (and bf16 where the CPU has no bf16 dot product). */
+#define no_fast_groups(x, rows, cols, group, qmax, first_block, shift, m, g, joint_prev, gj, table) \
+    ((void)(table), 0)
 #if defined(__AVX512F__) && VBYTES == 64
 /* joint_batch_f32 for a batch of float groups of 128 (one per row, so each block's element
  * before is the last of the block before), its tests on all 16 groups in one vector, with
@@ -1486,29 +1511,26 @@ static inline void lanes_joint_batch_f32(const float *const *ptr, const float *t
     (void)joint_prev, (void)qmax, (void)first_id, (void)gj;
 }
 #endif
-#if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64)
-static inline void fast_joint_batch(const uint16_t *const *ptr, const float *tops, const float *invs,
-                                    const uint32_t *words, const int64_t *nears, int nb,
-                                    const uint16_t *x, const uint16_t *joint_prev, double qmax,
-                                    int64_t first_id, dw_groups *gj) {
-    (void)ptr, (void)tops, (void)invs, (void)words, (void)nears, (void)nb, (void)x;
-    (void)joint_prev, (void)qmax, (void)first_id, (void)gj;
-}
-#endif
 DEFINE_PASS2(f32, float, float, vf, VF_LANES, abs_vf, count_le_vf, count_ge_vf, vload2_f32, load_f32)
 DEFINE_PASS2(f16, uint16_t, float, vf, VF_LANES, abs_vf, count_le_vf, count_ge_vf, vload2_f16, load_f16)
 DEFINE_PASS2(f64, double, double, vd, VD_LANES, abs_vd, count_le_vd, count_ge_vd, vload2_f64, load_f64)
 DEFINE_GROUPS(f32, float, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f,
-              no_words, fast_none, no_table_grids, LANES_F32, vload2_f32, load_f32)
+              no_words, no_fast_groups, LANES_F32, vload2_f32, load_f32)
 DEFINE_GROUPS(bf16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f,
-              words_bf16, fast_bf16, table_grids, 0, vload2_bf16, load_bf16)
+              words_bf16, fast_groups_bf16, 0, vload2_bf16, load_bf16)
 DEFINE_GROUPS(f16, uint16_t, float, vf, vfm, VF_LANES, min_vf, max_vf, vf4, fold_max_vf, tops_f, grids_f,
-              no_words, fast_none, no_table_grids, 0, vload2_f16, load_f16)
+              no_words, no_fast_groups, 0, vload2_f16, load_f16)
 DEFINE_GROUPS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, vd2, fold_max_vd, tops_d, grids_d,
-              no_words_d, fast_none, no_table_grids, 0, vload2_f64, load_f64)
+              no_words_d, no_fast_groups, 0, vload2_f64, load_f64)
 
-/* Whether bf16 groups of 128 take the bf16 dot-product path (fast_bf16). */
-int dw_fast_bf16(void) { return fast_bf16(NULL, NULL, NULL); }
+/* Whether bf16 groups of 128 take the bf16 dot-product path (fast_groups_bf16). */
+int dw_fast_bf16(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Lets the loader check that it talks to the code it compiled. */
 int dw_abi_version(void) { return 4; }
