@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -373,3 +376,96 @@ def test_float_groups_count_the_elements_when_few_lanes_are_near_the_top() -> No
     assert gj.worst_block == 50 and gj.worst_ratio > 8.0 / 0.5
     fq = fake_quantize(data, Scheme.parse("int4-group128"))
     assert g.zero_rounded == int(np.count_nonzero((fq == 0) & (data != 0)))
+
+
+def _fields(s: ctypes.Structure) -> tuple:
+    return tuple(getattr(s, name) for name, _ in s._fields_)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["f32", "bf16", "f16", "f64"])
+def test_pieces_shared_by_threads_give_what_one_call_per_piece_gives(kind: str) -> None:
+    # dw_run_pieces: each caller takes the next piece left; every piece's results must be
+    # those of reducing it alone, whichever thread took it, joint groups included.
+    loaded = _loaded()
+    rng = np.random.default_rng(11)
+    values = (rng.standard_normal(40 * 128 + 50) * 0.02).astype(np.float32)
+    values[77] = 5.0  # an outlier alone in its group
+    values[::53] = 0.0
+    data = _bf16(values) if kind == "bf16" else values.astype({"f32": np.float32,
+        "f16": np.float16, "f64": np.float64}[kind])  # fmt: skip
+    spans = [(0, 1280), (1280, 2560), (2560, 3840), (3840, 5120)]
+    table = loaded.grid_table(7) if kind == "bf16" else None
+    pieces = (native_reduce.Piece * 6)()
+    out = [(native_reduce.Moments.empty(), native_reduce.Groups.empty(),
+            native_reduce.Groups.empty()) for _ in pieces]  # fmt: skip
+    for i, (lo, hi) in enumerate(spans):
+        m, g, gj = out[i]
+        before = data[lo - 1 : lo] if lo else None
+        pieces[i] = native_reduce.Piece(
+            data[lo:].ctypes.data, (hi - lo) // 128, 128, 128, lo // 128,
+            None if before is None else before.ctypes.data,
+            ctypes.pointer(m), ctypes.pointer(g), ctypes.pointer(gj), None, 0,
+        )  # fmt: skip
+    m, g, _ = out[4]  # a short group of 50 (a 1-D tensor's last), not joint
+    pieces[4] = native_reduce.Piece(data[5120:].ctypes.data, 1, 50, 50, 40, None,
+                                    ctypes.pointer(m), ctypes.pointer(g), None, None, 0)  # fmt: skip
+    m, _, _ = out[5]  # moments only (group 0)
+    pieces[5] = native_reduce.Piece(data.ctypes.data, data.size, 1, 0, 0, None,
+                                    ctypes.pointer(m), None, None, None, 0)  # fmt: skip
+    taken = ctypes.c_int64(0)
+    with ThreadPoolExecutor(2) as pool:
+        runs = [
+            pool.submit(loaded.run_pieces, kind, pieces, taken, 7, 0.01, table) for _ in range(2)
+        ]
+        loaded.run_pieces(kind, pieces, taken, 7, 0.01, table)
+        for run in runs:
+            run.result()
+    assert taken.value >= len(pieces)
+    for i, (lo, hi) in enumerate(spans):
+        alone = (native_reduce.Moments.empty(), native_reduce.Groups.empty(),
+                 native_reduce.Groups.empty())  # fmt: skip
+        before = data[lo - 1 : lo] if lo else None
+        loaded.groups(kind, data[lo:hi], 128, 128, 7, lo // 128, 0.01, alone[0], alone[1],
+                      before, alone[2])  # fmt: skip
+        assert [_fields(s) for s in out[i]] == [_fields(s) for s in alone], i
+    alone_m, alone_g = native_reduce.Moments.empty(), native_reduce.Groups.empty()
+    loaded.groups(kind, data[5120:], 50, 50, 7, 40, 0.01, alone_m, alone_g)
+    assert (_fields(out[4][0]), _fields(out[4][1])) == (_fields(alone_m), _fields(alone_g))
+    whole = native_reduce.Moments.empty()
+    loaded.moments(kind, data, 0.01, whole)
+    assert _fields(out[5][0]) == _fields(whole)
+    assert out[0][1].worst_block == 0 and out[0][1].worst_ratio > 2  # the outlier's group
+
+
+@needs_compiler
+def test_a_piece_drops_the_pages_it_was_given_once_read(tmp_path: Path) -> None:
+    status = Path("/proc/self/status")
+    if not status.exists() or not hasattr(mmap.mmap, "madvise"):
+        pytest.skip("needs /proc/self/status and madvise (Linux)")
+
+    def resident_file_kb() -> int:
+        line = next(li for li in status.read_text().splitlines() if li.startswith("RssFile:"))
+        return int(line.split()[1])
+
+    loaded = _loaded()
+    values = np.random.default_rng(5).standard_normal(4 << 20).astype(np.float32)  # 16 MB
+    path = tmp_path / "values.bin"
+    values.tofile(path)
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        data = np.frombuffer(mapped, dtype=np.float32)
+        m = native_reduce.Moments.empty()
+        piece = native_reduce.Piece(data.ctypes.data, data.size, 1, 0, 0, None,
+                                    ctypes.pointer(m), None, None, None, 0)  # fmt: skip
+        page = mmap.PAGESIZE
+        first = -(-data.ctypes.data // page) * page
+        piece.drop, piece.drop_len = first, (12 << 20) // page * page
+        float(data.sum(dtype=np.float64))  # every page resident
+        held = resident_file_kb()
+        loaded.run_pieces("f32", (native_reduce.Piece * 1)(piece), ctypes.c_int64(0), 0, 0.0, None)
+        dropped = held - resident_file_kb()
+        assert m.count == data.size and m.sum == pytest.approx(
+            float(values.sum(dtype=np.float64)), rel=1e-5
+        )
+        del data
+    assert 11 << 10 <= dropped <= 13 << 10, f"{dropped} KB dropped, not the 12 MB given"

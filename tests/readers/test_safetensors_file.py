@@ -284,25 +284,23 @@ def test_a_read_stopped_early_drops_its_window(tmp_path: Path) -> None:
     assert dropped > 24 << 10, f"only {dropped} KB of the 32 MB window left"
 
 
-def test_release_drops_whole_huge_pages_only(tmp_path: Path) -> None:
-    # A thread hands back the pages of its piece of a chunk as it finishes (release):
-    # only the 2 MB pieces of the address space wholly inside the piece, so that a huge
-    # page the neighbouring piece still reads is never split (see SafetensorsFile._drop).
+def test_droppable_spans_whole_huge_pages_only(tmp_path: Path) -> None:
+    # A thread drops the pages of its piece of a chunk as it finishes (droppable gives
+    # them): only the 2 MB pieces of the address space wholly inside the piece, so that a
+    # huge page the neighbouring piece still reads is never split (SafetensorsFile._drop).
     path = str(tmp_path / "big.safetensors")
     save_file({"w": torch.randn(8 << 20)}, path)  # 32 MB
     with open_checkpoint(path) as ckpt:
         (entry,) = ckpt.entries()
         (chunk,) = ckpt.raw_chunks(entry, entry.numel)
-        assert float(chunk.sum(dtype=np.float64)) != 0.0  # every page touched
         mb = (1 << 20) // chunk.itemsize  # elements per MB
-        address = chunk.ctypes.data
-        start = -(-address // HUGE_PAGE) * HUGE_PAGE - address + (HUGE_PAGE >> 2)
-        start //= chunk.itemsize  # a quarter into the first whole huge page of the chunk
-        before = _resident_file_kb()
-        ckpt.release(entry, chunk[start : start + mb + mb // 2])  # 1.5 MB: none whole
-        small = before - _resident_file_kb()
-        ckpt.release(entry, chunk[start : start + 8 * mb])  # 8 MB: 3 whole huge pages
-        large = before - _resident_file_kb()
+        boundary = -(-chunk.ctypes.data // HUGE_PAGE) * HUGE_PAGE  # the first in the chunk
+        start = (boundary - chunk.ctypes.data + (HUGE_PAGE >> 2)) // chunk.itemsize
+        # 1.5 MB from a quarter into a huge page: none whole; 8 MB: the next three
+        assert ckpt.droppable(entry, chunk[start : start + mb + mb // 2]) is None
+        assert ckpt.droppable(entry, chunk[start : start + 8 * mb]) == (
+            boundary + HUGE_PAGE,
+            3 * HUGE_PAGE,
+        )
+        assert ckpt.droppable(entry, chunk[start : start + 8 * mb].copy()) is None
         del chunk
-    assert small < 256, f"{small} KB dropped from a window holding no whole huge page"
-    assert (6 << 10) - 512 <= large <= 6 << 10, f"{large} KB dropped, not the 6 MB of 3 huge pages"

@@ -23,9 +23,13 @@
  * 2 counts in vector lanes added up once a batch, and the blocks behind a scalar are tested
  * 16 groups to a vector.
  */
+#define _DEFAULT_SOURCE /* madvise, also under -std=c11 */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#endif
 
 /* Elements summed in float lanes before they are added into doubles: 128 per lane keeps the
  * float rounding of a flush near 1e-7 of its magnitude. */
@@ -1532,5 +1536,54 @@ int dw_fast_bf16(void) {
 #endif
 }
 
+/*
+ * The pieces of one chunk, each the work of one dw_moments_* or dw_groups_* call, taken one
+ * by one by every thread that calls dw_run_pieces with the same `next` counter: the callers
+ * (the calling thread and the pool's, with the GIL released) share the chunk without going
+ * back to Python between its pieces. A piece with `drop` set then drops those pages of the
+ * reader's file map from the process (they stay in the page cache), from the thread that
+ * read them.
+ */
+typedef struct {
+    const void *x;       /* the piece's first element */
+    int64_t rows, cols;  /* whole rows; group 0: moments only, of rows * cols elements */
+    int64_t group, first_block;
+    const void *joint_prev; /* as dw_groups_* take them */
+    dw_moments *m;
+    dw_groups *g, *gj;
+    void *drop; /* pages to drop once read (whole pages of a file map), or NULL */
+    int64_t drop_len;
+} dw_piece;
+
+#if defined(__unix__) || defined(__APPLE__)
+static void drop_pages(void *p, int64_t n) { (void)madvise(p, (size_t)n, MADV_DONTNEED); }
+#else
+static void drop_pages(void *p, int64_t n) { (void)p, (void)n; }
+#endif
+
+/* kind: 0 float32, 1 bf16, 2 float16, 3 float64 (KIND_CODES in native_reduce.py). */
+void dw_run_pieces(int kind, const dw_piece *pieces, int64_t n, int64_t *next, double qmax, double shift,
+                   const uint32_t *grid_table) {
+    for (int64_t i; (i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < n;) {
+        const dw_piece *c = &pieces[i];
+        const int64_t size = c->rows * c->cols;
+#define RUN_PIECE(NAME, SRC)                                                                \
+    if (c->group == 0)                                                                      \
+        dw_moments_##NAME((const SRC *)c->x, size, shift, c->m);                            \
+    else                                                                                    \
+        dw_groups_##NAME((const SRC *)c->x, c->rows, c->cols, c->group, qmax, c->first_block, \
+                         shift, c->m, c->g, (const SRC *)c->joint_prev, c->gj, grid_table)
+        switch (kind) {
+        case 0: RUN_PIECE(f32, float); break;
+        case 1: RUN_PIECE(bf16, uint16_t); break;
+        case 2: RUN_PIECE(f16, uint16_t); break;
+        case 3: RUN_PIECE(f64, double); break;
+        default: return;
+        }
+#undef RUN_PIECE
+        if (c->drop != NULL && c->drop_len > 0) drop_pages(c->drop, c->drop_len);
+    }
+}
+
 /* Lets the loader check that it talks to the code it compiled. */
-int dw_abi_version(void) { return 4; }
+int dw_abi_version(void) { return 5; }

@@ -30,7 +30,7 @@ from importlib import resources
 
 import numpy as np
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 # Seconds one compiler call may take; the file compiles in well under one.
 COMPILE_TIMEOUT = 120
 # Flag sets tried in order: the first one the compiler accepts is used. Native tuning picks
@@ -44,6 +44,8 @@ FLAG_SETS = (
 # The element kinds the kernels read, by the numpy dtype of the raw array and the
 # checkpoint's dtype name.
 KINDS = {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f16"}
+# dw_run_pieces' number for each kind.
+KIND_CODES = {"f32": 0, "bf16": 1, "f16": 2, "f64": 3}
 
 
 class Moments(ctypes.Structure):
@@ -104,6 +106,27 @@ class Groups(ctypes.Structure):
         self.zero_rounded += other.zero_rounded
 
 
+class Piece(ctypes.Structure):
+    """One piece of a chunk for `dw_run_pieces` (see native_reduce.c): whole rows of
+    `cols` elements from `x`, reduced into the structures `m`, `g` and `gj` point at (group
+    0: moments only; gj NULL: no joint groups), then `drop_len` bytes from `drop` dropped
+    from the process (NULL: none)."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("cols", ctypes.c_int64),
+        ("group", ctypes.c_int64),
+        ("first_block", ctypes.c_int64),
+        ("joint_prev", ctypes.c_void_p),
+        ("m", ctypes.POINTER(Moments)),
+        ("g", ctypes.POINTER(Groups)),
+        ("gj", ctypes.POINTER(Groups)),
+        ("drop", ctypes.c_void_p),
+        ("drop_len", ctypes.c_int64),
+    ]
+
+
 @dataclass(frozen=True)
 class Kernels:
     lib: ctypes.CDLL
@@ -134,7 +157,7 @@ class Kernels:
         With `joint` (only when cols == group), also the groups of the tensor put behind a
         scalar: each starts one element earlier, `joint_prev` holding the element before
         `data` (None at the start of the tensor, whose group holds the scalar). `fast`
-        False keeps bf16 off its dot-product path (see `fast_bf16`), for comparisons."""
+        False keeps bf16 off its dot-product loop (`fast_groups_bf16`), for comparisons."""
         if joint is not None and cols != group:
             raise ValueError("the joint groups need one group per row")
         rows, rest = divmod(data.size, cols)
@@ -149,6 +172,24 @@ class Kernels:
             None if joint_prev is None else _pointer(joint_prev),
             None if joint is None else ctypes.byref(joint),
             table,
+        )  # fmt: skip
+
+    def run_pieces(
+        self,
+        kind: str,
+        pieces: ctypes.Array[Piece],
+        taken: ctypes.c_int64,
+        qmax: int,
+        shift: float,
+        table: np.ndarray | None,
+    ) -> None:
+        """Reduce the pieces not yet taken, one by one, with every other thread that runs
+        the same `pieces` with the same `taken` counter (which starts at 0). The GIL is
+        released throughout."""
+        self.lib.dw_run_pieces(
+            KIND_CODES[kind], pieces, ctypes.c_int64(len(pieces)), ctypes.byref(taken),
+            ctypes.c_double(qmax), ctypes.c_double(shift),
+            None if table is None else _pointer(table),
         )  # fmt: skip
 
     @property
@@ -234,6 +275,7 @@ def kernels() -> Kernels | None:
         for kind in KINDS.values():
             getattr(lib, f"dw_moments_{kind}").restype = None
             getattr(lib, f"dw_groups_{kind}").restype = None
+        lib.dw_run_pieces.restype = None
         return Kernels(lib, path)
 
 

@@ -3,10 +3,12 @@
 Each tensor is streamed in chunks of its stored bytes (zero-copy windows of the file for
 safetensors; bf16 and fp16 are converted inside the kernel, not into a buffer). Each chunk
 is cut into pieces (at least one per thread), which the calling thread and the pool's take
-as they come free; ctypes releases the GIL, so the pieces are reduced in parallel, and
-their results are merged in order. The same pass also measures the default quantization
-scheme (symmetric, per group of fewer than 1 / (1 - bulk quantile) elements) when asked;
-other schemes are measured in bounded chunks by `quant_stream`.
+as they come free, inside one call into the kernels each (`dw_run_pieces`, with the GIL
+released: no thread comes back to Python between pieces, and each drops the file pages of
+the pieces it read); the pieces' results are merged in order. The same pass also measures
+the default quantization scheme (symmetric, per group of fewer than 1 / (1 - bulk
+quantile) elements) when asked; other schemes are measured in bounded chunks by
+`quant_stream`.
 
 `scan_tensor` returns None whenever this path does not apply (no kernels, an element type
 they do not read, a layout they do not cover); the caller then uses the numpy/torch path,
@@ -15,17 +17,18 @@ which gives the same results.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
 
-from deadweight.probes.native_reduce import Groups, Kernels, Moments
+from deadweight.probes.native_reduce import Groups, Kernels, Moments, Piece
 from deadweight.probes.quantization import QuantRisk, Scheme, block_measure, risk_of_worst_block
 from deadweight.probes.tensor_stats import TensorStats
 from deadweight.readers import Checkpoint, TensorEntry
@@ -182,7 +185,9 @@ def scan_tensor(
     previous: np.ndarray | None = None  # the last element of the previous chunk, raw
     shift: float | None = None
     done = 0
-    release = functools.partial(ckpt.release, entry)  # each thread drops its own pages
+    table = (
+        kernels.grid_table(plan.qmax) if plan is not None and entry.dtype == "bfloat16" else None
+    )
     for raw_chunk in ckpt.raw_chunks(entry, per_chunk):
         raw = raw_chunk.reshape(-1)
         prepared = _as_kernel_input(entry, raw)
@@ -197,21 +202,9 @@ def scan_tensor(
             shift = _shift(entry, kind, data)
             head = raw[:unit].copy()
         first_block = done // unit * (plan.per_row if plan else 0)
-        jobs = []
-        for lo, hi in _pieces(data.size - tail, threads, unit):
-            before = data[lo - 1 : lo] if lo else (None if previous is None else previous)
-            jobs.append(
-                (kernels, kind, data[lo:hi], plan, shift, first_block, lo, joint, before, release)
-            )
-        results = _run(jobs, pool, threads)
-        if tail:
-            assert plan is not None
-            short = GroupPlan(tail, tail, plan.qmax, joint=False)
-            body = data.size - tail
-            block = first_block + body // unit
-            results.append(
-                _reduce(kernels, kind, data[body:], short, shift, block, 0, False, None, None)
-            )
+        pieces = _pieces(data.size - tail, threads, unit)
+        chunk = _Chunk(ckpt, entry, data, plan, first_block, joint, previous)
+        results = chunk.run(kernels, kind, pieces, tail, shift, table, pool, threads)
         old, old_behind = groups.worst_block, behind.worst_block
         for m, g, gj in results:
             moments.merge(m)
@@ -285,53 +278,76 @@ def _behind_scalar(
     )  # fmt: skip
 
 
-def _run(jobs: list[tuple], pool: Executor | None, threads: int) -> list[tuple]:
-    """`_reduce` of every job, in order: this thread and up to threads - 1 of the pool's
-    take the jobs one by one, each the next one left."""
-    results: list[tuple | None] = [None] * len(jobs)
-    left = enumerate(jobs)  # next() is one step under the GIL: a job goes to one taker
+@dataclass
+class _Chunk:
+    """One chunk of a tensor as the kernels take it, cut into pieces."""
 
-    def take() -> None:
-        for i, job in left:
-            results[i] = _reduce(*job)
+    ckpt: Checkpoint
+    entry: TensorEntry
+    data: np.ndarray  # flat, contiguous
+    plan: GroupPlan | None
+    first_block: int  # the chunk's first block in the tensor
+    joint: bool
+    previous: np.ndarray | None  # the element before the chunk (raw), None at the start
 
-    helpers = (
-        [] if pool is None else [pool.submit(take) for _ in range(min(threads, len(jobs)) - 1)]
-    )
-    try:
-        take()
-    finally:
-        for helper in helpers:
-            helper.result()  # waits for each, and raises its error
-    return results  # type: ignore[return-value]
+    def run(
+        self,
+        kernels: Kernels,
+        kind: str,
+        spans: list[tuple[int, int]],
+        tail: int,
+        shift: float,
+        table: np.ndarray | None,
+        pool: Executor | None,
+        threads: int,
+    ) -> list[tuple[Moments, Groups, Groups]]:
+        """The moments and groups of each span of whole rows (in order), then of the
+        `tail` elements after them, a short last group; this thread and up to threads - 1
+        of the pool's take the spans one by one, each dropping the pages of those it read."""
+        pieces = (Piece * (len(spans) + bool(tail)))()
+        results = [(Moments.empty(), Groups.empty(), Groups.empty()) for _ in pieces]
+        for piece, (lo, hi), (m, g, gj) in zip(pieces, spans, results, strict=False):
+            self._fill(piece, lo, hi, m, g, gj)
+        if tail:
+            assert self.plan is not None
+            body = self.data.size - tail
+            m, g, _ = results[-1]
+            pieces[-1] = Piece(
+                self.data[body:].ctypes.data, 1, tail, tail,
+                self.first_block + body // self.plan.cols * self.plan.per_row, None,
+                ctypes.pointer(m), ctypes.pointer(g), None, None, 0,
+            )  # fmt: skip
+        qmax = self.plan.qmax if self.plan is not None else 0
+        taken = ctypes.c_int64(0)
+        work = functools.partial(kernels.run_pieces, kind, pieces, taken, qmax, shift, table)
+        helpers = (
+            [] if pool is None else [pool.submit(work) for _ in range(min(threads, len(spans)) - 1)]
+        )
+        try:
+            work()
+        finally:
+            for helper in helpers:
+                helper.result()  # waits for each, and raises its error
+        return results
 
-
-def _reduce(
-    kernels: Kernels,
-    kind: str,
-    data: np.ndarray,
-    plan: GroupPlan | None,
-    shift: float,
-    first_block: int,
-    offset: int,
-    joint: bool,
-    before: np.ndarray | None,
-    release: Callable[[np.ndarray], None] | None,
-) -> tuple[Moments, Groups, Groups]:
-    """One thread's piece of a chunk: `offset` elements into the chunk, whole rows; its
-    pages are handed back (`release`) by the thread that read them."""
-    m, g, gj = Moments.empty(), Groups.empty(), Groups.empty()
-    if plan is None:
-        kernels.moments(kind, data, shift, m)
-    else:
-        first = first_block + offset // plan.cols * plan.per_row
-        kernels.groups(
-            kind, data, plan.cols, plan.group, plan.qmax, first, shift, m, g,
-            before if joint else None, gj if joint else None,
-        )  # fmt: skip
-    if release is not None:
-        release(data)
-    return m, g, gj
+    def _fill(self, piece: Piece, lo: int, hi: int, m: Moments, g: Groups, gj: Groups) -> None:
+        window = self.data[lo:hi]
+        piece.x = window.ctypes.data
+        piece.m = ctypes.pointer(m)
+        plan = self.plan
+        if plan is None:
+            piece.rows, piece.cols = hi - lo, 1  # group 0: moments only
+        else:
+            piece.rows, piece.cols, piece.group = (hi - lo) // plan.cols, plan.cols, plan.group
+            piece.first_block = self.first_block + lo // plan.cols * plan.per_row
+            piece.g = ctypes.pointer(g)
+            if self.joint:
+                before = self.data[lo - 1 : lo] if lo else self.previous
+                piece.joint_prev = None if before is None else before.ctypes.data
+                piece.gj = ctypes.pointer(gj)
+        span = self.ckpt.droppable(self.entry, window)
+        if span is not None:
+            piece.drop, piece.drop_len = span
 
 
 def _stats(entry: TensorEntry, m: Moments, shift: float) -> TensorStats:
