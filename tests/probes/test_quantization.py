@@ -10,9 +10,11 @@ import torch
 from deadweight.probes.quantization import (
     QuantRisk,
     Scheme,
+    block_measure,
     fake_quantize,
     joint_risk,
     quant_risk,
+    risk_of_worst_block,
 )
 
 # --- Scheme -------------------------------------------------------------------------
@@ -270,3 +272,49 @@ def test_measured_error_follows_two_to_minus_effective_bits(text: str) -> None:
     assert max(abs(o - centre) for o in offsets) <= 1.5, (centre, offsets)
     assert all(r.zero_fraction > 0.5 for r in collapsed), collapsed
     assert all(r.verdict == "broken" for r in collapsed)
+
+
+def _blocks(rng: np.random.Generator) -> list[np.ndarray]:
+    """Single blocks of every kind the one-block path meets: ordinary groups, a lone top,
+    ties at the top, zeros, subnormals, values near the float range's ends."""
+    f32 = np.float32
+    out = []
+    for n in (1, 2, 3, 7, 64, 128, 999):
+        for scale in (1e-3, 1.0, 60.0):
+            out.append((rng.standard_normal(n) * scale).astype(f32))
+        row = rng.standard_normal(n).astype(f32)
+        row[rng.integers(0, n)] = 56.25  # alone at the top
+        out.append(row)
+        if n > 1:  # the top exactly twice the next: it stays
+            out.append(np.concatenate([[-2.0, 1.0], rng.uniform(-1, 1, n - 2)]).astype(f32))
+        out.append(np.where(rng.random(n) < 0.5, 0.0, rng.standard_normal(n)).astype(f32))
+        out.append(np.full(n, -0.75, f32))  # every element ties
+        out.append(np.zeros(n, f32))
+        out.append((rng.standard_normal(n) * 1e-40).astype(f32))  # subnormal
+        out.append((rng.standard_normal(n) * 3e38).clip(-3.4e38, 3.4e38).astype(f32))
+        out.append(rng.standard_normal(n) * 1e-300)  # float64
+        out.append(np.round(rng.standard_normal(n) * 4).astype(np.float64))
+        out.append(rng.standard_normal(n).astype(np.float16))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the blocks near the float range
+@pytest.mark.parametrize("text", ["int4-group128", "int2-group128", "int8-group64", "int4-asym"])
+def test_one_block_path_gives_what_the_many_block_path_gives(
+    monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    # risk_of_worst_block and block_measure take a one-block path for a symmetric tiny
+    # block (what a checkpoint scan measures for every tensor): it must agree bit for bit
+    # with block_bounds and fake_quantize_blocks, whatever the block holds.
+    from deadweight.probes import quantization
+
+    scheme = Scheme.parse(text)
+    blocks = _blocks(np.random.default_rng(8))
+    lean = [
+        (risk_of_worst_block(scheme, b, 3.5, 2, 5, 100), block_measure(b, scheme)) for b in blocks
+    ]
+    monkeypatch.setattr(quantization, "_tiny_symmetric", lambda *args: None)
+    for block, (risk, measure) in zip(blocks, lean, strict=True):
+        # repr: a NaN error (squares beyond the float range) compares equal to itself
+        assert repr(risk_of_worst_block(scheme, block, 3.5, 2, 5, 100)) == repr(risk), block
+        assert block_measure(block, scheme) == measure, block
