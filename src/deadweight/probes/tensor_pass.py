@@ -146,8 +146,10 @@ def _shift(entry: TensorEntry, kind: str, data: np.ndarray) -> float:
     """A value near the mean: squares about it keep a small spread around a large mean."""
     head = data[:SHIFT_SAMPLE]
     values = head if kind in ("f32", "f64") else widen(head, entry.dtype)
-    finite = values[np.isfinite(values)].astype(np.float64)
-    mean = float(finite.mean()) if finite.size else 0.0
+    mean = float(values.sum(dtype=np.float64)) / max(values.size, 1)
+    if not math.isfinite(mean):  # NaN/Inf in the sample: the mean of the others
+        finite = values[np.isfinite(values)].astype(np.float64)
+        mean = float(finite.mean()) if finite.size else 0.0
     # The kernel subtracts the shift in the element type: use exactly that value.
     return mean if kind == "f64" else float(np.float32(mean))
 

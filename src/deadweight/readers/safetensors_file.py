@@ -286,7 +286,9 @@ class SafetensorsFile(ReaderBase):
         # as each piece is done, in parallel, took 15% of a two-thread scan off the main
         # thread.
         mapped = self._mm
-        if mapped is None or mapped.closed or not hasattr(mapped, "madvise"):
+        if window.nbytes < HUGE_PAGE or mapped is None or mapped.closed:
+            return None  # too small to hold a whole huge page, or no map
+        if not hasattr(mapped, "madvise"):
             return None
         start = window.ctypes.data - self._base
         end = start + window.nbytes
