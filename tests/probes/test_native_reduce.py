@@ -405,14 +405,14 @@ def test_pieces_shared_by_threads_give_what_one_call_per_piece_gives(kind: str) 
         pieces[i] = native_reduce.Piece(
             data[lo:].ctypes.data, (hi - lo) // 128, 128, 128, lo // 128,
             None if before is None else before.ctypes.data,
-            ctypes.pointer(m), ctypes.pointer(g), ctypes.pointer(gj), None, 0,
+            ctypes.addressof(m), ctypes.addressof(g), ctypes.addressof(gj), None, 0,
         )  # fmt: skip
     m, g, _ = out[4]  # a short group of 50 (a 1-D tensor's last), not joint
     pieces[4] = native_reduce.Piece(data[5120:].ctypes.data, 1, 50, 50, 40, None,
-                                    ctypes.pointer(m), ctypes.pointer(g), None, None, 0)  # fmt: skip
+                                    ctypes.addressof(m), ctypes.addressof(g), None, None, 0)  # fmt: skip
     m, _, _ = out[5]  # moments only (group 0)
     pieces[5] = native_reduce.Piece(data.ctypes.data, data.size, 1, 0, 0, None,
-                                    ctypes.pointer(m), None, None, None, 0)  # fmt: skip
+                                    ctypes.addressof(m), None, None, None, 0)  # fmt: skip
     taken = ctypes.c_int64(0)
     with ThreadPoolExecutor(2) as pool:
         runs = [
@@ -456,7 +456,7 @@ def test_a_piece_drops_the_pages_it_was_given_once_read(tmp_path: Path) -> None:
         data = np.frombuffer(mapped, dtype=np.float32)
         m = native_reduce.Moments.empty()
         piece = native_reduce.Piece(data.ctypes.data, data.size, 1, 0, 0, None,
-                                    ctypes.pointer(m), None, None, None, 0)  # fmt: skip
+                                    ctypes.addressof(m), None, None, None, 0)  # fmt: skip
         page = mmap.PAGESIZE
         first = -(-data.ctypes.data // page) * page
         piece.drop, piece.drop_len = first, (12 << 20) // page * page

@@ -297,10 +297,12 @@ def test_droppable_spans_whole_huge_pages_only(tmp_path: Path) -> None:
         boundary = -(-chunk.ctypes.data // HUGE_PAGE) * HUGE_PAGE  # the first in the chunk
         start = (boundary - chunk.ctypes.data + (HUGE_PAGE >> 2)) // chunk.itemsize
         # 1.5 MB from a quarter into a huge page: none whole; 8 MB: the next three
-        assert ckpt.droppable(entry, chunk[start : start + mb + mb // 2]) is None
-        assert ckpt.droppable(entry, chunk[start : start + 8 * mb]) == (
+        at = chunk.ctypes.data + start * chunk.itemsize
+        assert ckpt.droppable(entry, at, (mb + mb // 2) * chunk.itemsize) is None
+        assert ckpt.droppable(entry, at, 8 * mb * chunk.itemsize) == (
             boundary + HUGE_PAGE,
             3 * HUGE_PAGE,
         )
-        assert ckpt.droppable(entry, chunk[start : start + 8 * mb].copy()) is None
+        copy = chunk[start : start + 8 * mb].copy()
+        assert ckpt.droppable(entry, copy.ctypes.data, copy.nbytes) is None
         del chunk

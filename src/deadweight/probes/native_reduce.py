@@ -108,9 +108,9 @@ class Groups(ctypes.Structure):
 
 class Piece(ctypes.Structure):
     """One piece of a chunk for `dw_run_pieces` (see native_reduce.c): whole rows of
-    `cols` elements from `x`, reduced into the structures `m`, `g` and `gj` point at (group
-    0: moments only; gj NULL: no joint groups), then `drop_len` bytes from `drop` dropped
-    from the process (NULL: none)."""
+    `cols` elements from `x`, reduced into the Moments and Groups at addresses `m`, `g` and
+    `gj` (group 0: moments only; gj NULL: no joint groups), then `drop_len` bytes from
+    `drop` dropped from the process (NULL: none)."""
 
     _fields_ = [
         ("x", ctypes.c_void_p),
@@ -119,9 +119,9 @@ class Piece(ctypes.Structure):
         ("group", ctypes.c_int64),
         ("first_block", ctypes.c_int64),
         ("joint_prev", ctypes.c_void_p),
-        ("m", ctypes.POINTER(Moments)),
-        ("g", ctypes.POINTER(Groups)),
-        ("gj", ctypes.POINTER(Groups)),
+        ("m", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("gj", ctypes.c_void_p),
         ("drop", ctypes.c_void_p),
         ("drop_len", ctypes.c_int64),
     ]

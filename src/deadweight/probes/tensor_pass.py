@@ -292,6 +292,10 @@ class _Chunk:
     joint: bool
     previous: np.ndarray | None  # the element before the chunk (raw), None at the start
 
+    def __post_init__(self) -> None:
+        self.address = self.data.ctypes.data
+        self.previous_address = None if self.previous is None else self.previous.ctypes.data
+
     def run(
         self,
         kernels: Kernels,
@@ -315,9 +319,9 @@ class _Chunk:
             body = self.data.size - tail
             m, g, _ = results[-1]
             pieces[-1] = Piece(
-                self.data[body:].ctypes.data, 1, tail, tail,
+                self.address + body * self.data.itemsize, 1, tail, tail,
                 self.first_block + body // self.plan.cols * self.plan.per_row, None,
-                ctypes.pointer(m), ctypes.pointer(g), None, None, 0,
+                ctypes.addressof(m), ctypes.addressof(g), None, None, 0,
             )  # fmt: skip
         qmax = self.plan.qmax if self.plan is not None else 0
         taken = ctypes.c_int64(0)
@@ -333,21 +337,21 @@ class _Chunk:
         return results
 
     def _fill(self, piece: Piece, lo: int, hi: int, m: Moments, g: Groups, gj: Groups) -> None:
-        window = self.data[lo:hi]
-        piece.x = window.ctypes.data
-        piece.m = ctypes.pointer(m)
+        size = self.data.itemsize
+        piece.x = self.address + lo * size
+        piece.m = ctypes.addressof(m)
         plan = self.plan
         if plan is None:
             piece.rows, piece.cols = hi - lo, 1  # group 0: moments only
         else:
             piece.rows, piece.cols, piece.group = (hi - lo) // plan.cols, plan.cols, plan.group
             piece.first_block = self.first_block + lo // plan.cols * plan.per_row
-            piece.g = ctypes.pointer(g)
+            piece.g = ctypes.addressof(g)
             if self.joint:
-                before = self.data[lo - 1 : lo] if lo else self.previous
-                piece.joint_prev = None if before is None else before.ctypes.data
-                piece.gj = ctypes.pointer(gj)
-        span = self.ckpt.droppable(self.entry, window)
+                before = self.address + (lo - 1) * size if lo else self.previous_address
+                piece.joint_prev = before
+                piece.gj = ctypes.addressof(gj)
+        span = self.ckpt.droppable(self.entry, piece.x, (hi - lo) * size)
         if span is not None:
             piece.drop, piece.drop_len = span
 

@@ -96,7 +96,9 @@ class Checkpoint(Protocol):
 
     def raw_chunks(self, entry: TensorEntry, max_elements: int) -> Iterator[np.ndarray]: ...
 
-    def droppable(self, entry: TensorEntry, window: np.ndarray) -> tuple[int, int] | None: ...
+    def droppable(
+        self, entry: TensorEntry, address: int, nbytes: int
+    ) -> tuple[int, int] | None: ...
 
     def array(self, entry: TensorEntry) -> np.ndarray: ...
 
@@ -139,13 +141,13 @@ class ReaderBase:
         that convert anyway yield their converted chunks."""
         return self.chunks(entry, max_elements * output_dtype(entry.dtype).itemsize)
 
-    def droppable(self, entry: TensorEntry, window: np.ndarray) -> tuple[int, int] | None:
-        """Where `window`, a piece of a raw chunk of `entry`, may be dropped from the
-        process (madvise MADV_DONTNEED) once the caller is done with it: the address and
-        length of whole pages of a file map inside it, for a reader that maps the file, so
-        that the thread that read the piece drops it rather than waiting for the next chunk.
-        None when nothing may be dropped (a reader that does not map, or an array that is
-        not a view of its map). Safe to call from several threads at once."""
+    def droppable(self, entry: TensorEntry, address: int, nbytes: int) -> tuple[int, int] | None:
+        """Where the `nbytes` at `address`, a piece of a raw chunk of `entry`, may be
+        dropped from the process (madvise MADV_DONTNEED) once the caller is done with them:
+        the address and length of whole pages of a file map inside them, for a reader that
+        maps the file, so that the thread that read the piece drops it rather than waiting
+        for the next chunk. None when nothing may be dropped (a reader that does not map, or
+        memory that is not its map). Safe to call from several threads at once."""
         return None
 
     def array(self, entry: TensorEntry) -> np.ndarray:

@@ -82,8 +82,8 @@ class ShardedCheckpoint(ReaderBase):
     def raw_chunks(self, entry: TensorEntry, max_elements: int) -> Iterator[np.ndarray]:
         return self._shards[entry.file].raw_chunks(entry, max_elements)
 
-    def droppable(self, entry: TensorEntry, window: np.ndarray) -> tuple[int, int] | None:
-        return self._shards[entry.file].droppable(entry, window)
+    def droppable(self, entry: TensorEntry, address: int, nbytes: int) -> tuple[int, int] | None:
+        return self._shards[entry.file].droppable(entry, address, nbytes)
 
     def array(self, entry: TensorEntry) -> np.ndarray:
         return self._shards[entry.file].array(entry)
