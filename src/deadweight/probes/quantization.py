@@ -375,10 +375,11 @@ def fake_quantize_blocks(blocks: np.ndarray, bounds: Bounds, scheme: Scheme) -> 
 
 def as_measured(values: np.ndarray) -> np.ndarray:
     arr = np.asarray(values)
-    if not np.issubdtype(arr.dtype, np.floating):
-        arr = arr.astype(np.float64)
-    elif arr.dtype.itemsize < 4:
-        arr = arr.astype(np.float32)  # float16 arithmetic would add its own rounding
+    if arr.dtype != np.float32 and arr.dtype != np.float64:
+        if not np.issubdtype(arr.dtype, np.floating):
+            arr = arr.astype(np.float64)
+        elif arr.dtype.itemsize < 4:
+            arr = arr.astype(np.float32)  # float16 arithmetic would add its own rounding
     bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
     if bad:
         raise ValueError(f"{bad} non-finite values; quantization risk is undefined")
@@ -442,7 +443,7 @@ def block_measure(
     block = as_measured(values).reshape(1, -1)
     lean = _tiny_symmetric(block[0], scheme, bulk_quantile)
     if lean is not None:
-        top, bulk, fq = lean
+        top, bulk, fq, _ = lean
         full = float(top) - float(-top)
         spread = max(float(bulk), 0.0) - min(float(-bulk), 0.0)
         ratio = max(full / spread, 1.0) if spread > 0 else 1.0
@@ -454,12 +455,12 @@ def block_measure(
 
 def _tiny_symmetric(
     row: np.ndarray, scheme: Scheme, q: float
-) -> tuple[np.floating, np.floating, np.ndarray] | None:
+) -> tuple[np.floating, np.floating, np.ndarray, np.ndarray] | None:
     """For one block of a symmetric scheme too small for the bulk quantile (a group of 128,
-    the default): its largest magnitude, its bulk magnitude and its fake-quantized values,
-    the numbers of block_bounds and fake_quantize_blocks in the same arithmetic, without
-    their machinery for many blocks (a tenth of a millisecond per block, for every tensor a
-    checkpoint scan measures). None for any other block."""
+    the default): its largest magnitude, its bulk magnitude, its fake-quantized values and
+    its magnitudes, the numbers of block_bounds and fake_quantize_blocks (a zero's sign
+    aside), without their machinery for many blocks (a tenth of a millisecond per block,
+    for every tensor a checkpoint scan measures). None for any other block."""
     n = row.size
     if not scheme.symmetric or not n or not is_tiny(n, q):
         return None
@@ -474,14 +475,14 @@ def _tiny_symmetric(
     scale = np.float64(top) / qmax
     scale = scale if scale > 0 else np.float64(1.0)
     dtype = row.dtype.type
-    zero = dtype(0.0)
+    # The zero point (0) is not added and taken away: that only turns -0.0 into 0.0, which
+    # no count or error sees; clipping is a minimum and a maximum (the values are finite).
     fq = row * dtype(1.0 / scale)
-    fq += zero
     np.round(fq, out=fq)
-    np.clip(fq, -qmax, qmax, out=fq)
-    fq -= zero
+    np.minimum(fq, qmax, out=fq)
+    np.maximum(fq, -qmax, out=fq)
     fq *= dtype(scale)
-    return top, bulk, fq
+    return top, bulk, fq, mag
 
 
 def risk_of_worst_block(
@@ -502,8 +503,8 @@ def risk_of_worst_block(
     row = values[0]
     lean = _tiny_symmetric(row, scheme, bulk_quantile)
     if lean is not None:
-        _, high, fq = lean
-        in_bulk = (row >= -high) & (row <= high)
+        _, high, fq, mag = lean
+        in_bulk = mag <= high  # -high <= row <= high
     else:
         bnd = block_bounds(values, scheme.symmetric, bulk_quantile)
         fq = fake_quantize_blocks(values, bnd, scheme)[0]
