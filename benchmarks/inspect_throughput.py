@@ -122,6 +122,10 @@ def make_file(directory: str, dtype: torch.dtype, gigabytes: float) -> tuple[str
         tensors[f"layers.{i}.norm.weight"] = torch.ones(4096, dtype=dtype)
         tensors[f"layers.{i}.layer_scalar"] = torch.ones(1, dtype=dtype)
     save_file(tensors, path)
+    # Written to disk before anything is timed: the kernel's writeback of 2 GB of dirty
+    # pages would otherwise run beside the first rounds and take a core from them.
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
     return path, per
 
 
