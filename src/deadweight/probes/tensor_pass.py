@@ -24,7 +24,7 @@ import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -294,6 +294,8 @@ class _Chunk:
     first_block: int  # the chunk's first block in the tensor
     joint: bool
     previous: np.ndarray | None  # the element before the chunk (raw), None at the start
+    address: int = field(init=False)  # of data, and of previous (None without it)
+    previous_address: int | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.address = self.data.ctypes.data
