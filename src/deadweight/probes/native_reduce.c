@@ -53,6 +53,15 @@ typedef struct {
     int64_t zero_rounded; /* non-zero elements that quantize to 0 */
 } dw_groups;
 
+/* Keeps block `id` as the worst so far if its ratio is larger (the lowest of equals: blocks
+ * come in order). */
+static inline void note_block(dw_groups *g, double ratio, int64_t id) {
+    if (ratio > g->worst_ratio || g->worst_block < 0) {
+        g->worst_ratio = ratio;
+        g->worst_block = id;
+    }
+}
+
 /* Portable SIMD through the compiler's vector extension (GCC and Clang), as wide as the
  * target's registers: 64 bytes with AVX-512, 32 with AVX, 16 otherwise (SSE2, NEON). Minimum
  * and maximum use the target's instruction where there is one; what they do with NaN does not
@@ -581,22 +590,26 @@ static inline int64_t lanes_count_vdm(vdm a, vdm b) { return hsum_vdm(a) + hsum_
 #define LANES(OP, t, a, b) _Generic((a), vf: lanes_##OP##_vf, vd: lanes_##OP##_vd)(t, a, b)
 #define LANES_COUNT(a, b) _Generic((a), vfm: lanes_count_vfm, vdm: lanes_count_vdm)(a, b)
 
-/* Adds the accumulators of `n` elements into *m; `ok` becomes 0 when they held NaN/Inf (or
- * squares beyond float range) and the caller must redo those elements with the slow path. */
+/* Adds a flush of `n` elements (their sum, squares, extremes and zeros) into *m; returns 0,
+ * adding nothing, when they held NaN/Inf (or squares beyond float range): the caller must
+ * redo those elements with the slow path. */
+static inline int add_flush(dw_moments *m, int64_t n, double fs, double fq, double flo, double fhi,
+                            int64_t fz) {
+    if (!(isfinite(fs) && isfinite(fq) && isfinite(flo) && isfinite(fhi))) return 0;
+    m->count += n;
+    m->sum += fs;
+    m->squares += fq;
+    m->zeros += fz;
+    if (flo < m->min) m->min = flo;
+    if (fhi > m->max) m->max = fhi;
+    return 1;
+}
+/* add_flush of the accumulators of `n` elements into *m, `ok` its answer. */
 #define ACC_FLUSH(W, n, ok)                                                                 \
     do {                                                                                    \
         double fs = LANES(sum, ss, s, s2), fq = LANES(sum, sq, q, q2);                      \
         double flo = LANES(min, slo, lo, lo2), fhi = LANES(max, shi, hi, hi2);              \
-        int64_t fz = sz + LANES_COUNT(z, z2);                                               \
-        ok = isfinite(fs) && isfinite(fq) && isfinite(flo) && isfinite(fhi);                \
-        if (ok) {                                                                           \
-            m->count += (n);                                                                \
-            m->sum += fs;                                                                   \
-            m->squares += fq;                                                               \
-            m->zeros += fz;                                                                 \
-            if (flo < m->min) m->min = flo;                                                 \
-            if (fhi > m->max) m->max = fhi;                                                 \
-        }                                                                                   \
+        ok = add_flush(m, (n), fs, fq, flo, fhi, sz + LANES_COUNT(z, z2));                  \
     } while (0)
 
 /*
@@ -908,10 +921,7 @@ static inline void prefetch_ahead(const void *p, int64_t bytes) {
         }                                                                                   \
         const double ratio =                                                                \
             bulk == tj ? 1.0 : (bulk > 0 ? fmax((double)tj / (double)bulk, 1.0) : 1.0);     \
-        if (ratio > gj->worst_ratio || gj->worst_block < 0) {                               \
-            gj->worst_ratio = ratio;                                                        \
-            gj->worst_block = id;                                                           \
-        }                                                                                   \
+        note_block(gj, ratio, id);                                                          \
     }
 
 /* The next of a batch's joint blocks (lane bits in `rest`, taken out as they are done) that
@@ -1156,6 +1166,22 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
     return near;
 }
 
+/* The range ratio of a block whose largest magnitude `top` stands alone (no other element has
+ * 2|v| >= top): the bulk ends at the second largest magnitude. */
+#define DEFINE_ALONE(NAME, SRC, VAL, LOAD)                                                  \
+    static double alone_ratio_##NAME(const SRC *p, int64_t len, VAL top) {                  \
+        VAL second = 0;                                                                     \
+        for (int64_t e = 0; e < len; e++) {                                                 \
+            const VAL v = LOAD(p, e), a = v < 0 ? -v : v;                                   \
+            if (!(a + a >= top) && a > second) second = a;                                  \
+        }                                                                                   \
+        return second > 0 ? fmax((double)top / (double)second, 1.0) : 1.0;                  \
+    }
+DEFINE_ALONE(f32, float, float, load_f32)
+DEFINE_ALONE(bf16, uint16_t, float, load_bf16)
+DEFINE_ALONE(f16, uint16_t, float, load_f16)
+DEFINE_ALONE(f64, double, double, load_f64)
+
 /*
  * Moments plus symmetric per-group quantization of `rows` whole rows of `cols` elements,
  * cut into groups of `group` along each row (the last one shorter when `group` does not
@@ -1286,20 +1312,9 @@ static inline int64_t pass2_bf16(const uint16_t *p, int64_t len, float top, floa
                                      : len == 128                                           \
                                          ? pass2_##NAME(p, 128, top, bounds[j], words, &below) \
                                          : pass2_##NAME(p, len, top, bounds[j], words, &below); \
-                double ratio = 1.0;                                                         \
-                if (len > 1 && near == 1) { /* top is alone: the bulk ends at the second */ \
-                    VAL second = 0;                                                         \
-                    for (int64_t e = 0; e < len; e++) {                                     \
-                        const VAL v = LOAD(p, e), a = v < 0 ? -v : v;                       \
-                        if (!(a + a >= top) && a > second) second = a;                      \
-                    }                                                                       \
-                    ratio = second > 0 ? fmax((double)top / (double)second, 1.0) : 1.0;    \
-                }                                                                           \
-                const int64_t id = first_block + before + j;                                \
-                if (ratio > g->worst_ratio || g->worst_block < 0) {                         \
-                    g->worst_ratio = ratio;                                                 \
-                    g->worst_block = id;                                                    \
-                }                                                                           \
+                /* top alone: the bulk ends at the second largest */                        \
+                const double ratio = len > 1 && near == 1 ? alone_ratio_##NAME(p, len, top) : 1.0; \
+                note_block(g, ratio, first_block + before + j);                             \
                 nears[j] = near;                                                            \
             }                                                                               \
             if (gj != NULL && nb_before && by_lanes)                                        \
@@ -1427,16 +1442,8 @@ static int fast_groups_bf16(const uint16_t *x, int64_t rows, int64_t cols, int64
             double fs = 0.0, fq = 0.0, flo = INFINITY, fhi = -INFINITY;
             int64_t fz = 0;
             fast_flush(&fa, (double)sh, &fs, &fq, &flo, &fhi, &fz);
-            if (isfinite(fs) && isfinite(fq) && isfinite(flo) && isfinite(fhi)) {
-                m->count += 128 * nb;
-                m->sum += fs;
-                m->squares += fq;
-                m->zeros += fz;
-                if (flo < m->min) m->min = flo;
-                if (fhi > m->max) m->max = fhi;
-            } else {
+            if (!add_flush(m, 128 * nb, fs, fq, flo, fhi, fz))
                 slow_bf16(batch, 128 * nb, (double)sh, m);
-            }
             fast_tops(lanes[cur], tops[cur]);
             table_grids(table, tops[cur], invs[cur], words[cur]);
         }
@@ -1445,20 +1452,10 @@ static int fast_groups_bf16(const uint16_t *x, int64_t rows, int64_t cols, int64
         for (int j = 0; j < nb_before; j++) {
             const uint16_t *p = ptrs[old][j];
             const int64_t near = fast_pass2(p, &lanes[old][j], words[old][j], &counts);
-            double ratio = 1.0;
-            if (__builtin_expect(near == 1, 0)) { /* top is alone: the bulk ends at the second */
-                const float top = tops[old][j];
-                float second = 0;
-                for (int e = 0; e < 128; e++) {
-                    const float v = load_bf16(p, e), a = v < 0 ? -v : v;
-                    if (!(a + a >= top) && a > second) second = a;
-                }
-                ratio = second > 0 ? fmax((double)top / (double)second, 1.0) : 1.0;
-            }
-            if (ratio > g->worst_ratio || g->worst_block < 0) {
-                g->worst_ratio = ratio;
-                g->worst_block = first_block + before + j;
-            }
+            /* top alone: the bulk ends at the second largest */
+            const double ratio =
+                __builtin_expect(near == 1, 0) ? alone_ratio_bf16(p, 128, tops[old][j]) : 1.0;
+            note_block(g, ratio, first_block + before + j);
             nears[j] = near;
         }
         if (gj != NULL && nb_before)
