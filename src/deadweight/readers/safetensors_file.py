@@ -285,11 +285,9 @@ class SafetensorsFile(ReaderBase):
         # another thread. raw_chunks drops the rest of the chunk when it moves on. Dropping
         # as each piece is done, in parallel, took 15% of a two-thread scan off the main
         # thread.
-        mapped = self._mm
-        if nbytes < HUGE_PAGE or mapped is None or mapped.closed:
-            return None  # too small to hold a whole huge page, or no map
-        if not hasattr(mapped, "madvise"):
-            return None
+        mapped = self._droppable_map() if nbytes >= HUGE_PAGE else None
+        if mapped is None:
+            return None  # too small to hold a whole huge page, or nothing to drop from
         start = address - self._base
         end = start + nbytes
         if start < 0 or end > len(mapped):
@@ -307,12 +305,19 @@ class SafetensorsFile(ReaderBase):
         it). On a freshly written 2.15 GB bf16 file, one scan split 320-336 such entries
         when dropping page by page and none this way; its system time fell from 15-26 ms to
         14 ms. Elsewhere (4 KB pages) the rounding only delays a few pages to the next drop."""
-        mapped = self._mm
-        if mapped is None or mapped.closed or not hasattr(mapped, "madvise"):
+        mapped = self._droppable_map()
+        if mapped is None:
             return
         first, last = self._huge_span(start, end, whole=whole)
         if last > first:
             mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+    def _droppable_map(self) -> mmap.mmap | None:
+        """The map, when it is open and can drop pages (madvise: not on Windows)."""
+        mapped = self._mm
+        if mapped is None or mapped.closed or not hasattr(mapped, "madvise"):
+            return None
+        return mapped
 
     def _huge_span(self, start: int, end: int, *, whole: bool) -> tuple[int, int]:
         """The offsets of the whole 2 MB pieces of the address space in [start, end) of the
