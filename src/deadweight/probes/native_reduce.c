@@ -82,6 +82,12 @@ static inline void note_block(dw_groups *g, double ratio, int64_t id) {
 #else
 #define VBYTES 16
 #endif
+/* Whether bf16 groups of 128 have their loop on the CPU's bf16 dot product (fast_groups_bf16). */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64
+#define FAST_BF16 1
+#else
+#define FAST_BF16 0
+#endif
 typedef float vf __attribute__((vector_size(VBYTES)));
 typedef int32_t vfm __attribute__((vector_size(VBYTES)));
 typedef uint32_t vu32 __attribute__((vector_size(VBYTES)));
@@ -629,7 +635,7 @@ static inline int add_flush(dw_moments *m, int64_t n, double fs, double fq, doub
  * finite held NaN/Inf (any of them makes the sum NaN or infinite) and is redone by the slow
  * path, as in the float lanes.
  */
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64
+#if FAST_BF16
 typedef struct {
     __m512 s0, s1, q0, q1; /* the flush's sums and squares */
     __m512i smax, umax; /* the flush's words: signed and unsigned maximum */
@@ -1366,7 +1372,7 @@ DEFINE_JOINT_BATCH(bf16, uint16_t, float, vbf, vbm, load_bf16)
 DEFINE_JOINT_BATCH(f16, uint16_t, float, vbf, vbm, load_f16)
 DEFINE_JOINT_BATCH(f64, double, double, vbd, vbdm, load_f64)
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64
+#if FAST_BF16
 /* joint_batch_bf16 for a batch of fast groups, with its tests on the 16-bit words of all 16
  * groups in one vector. The groups are rows of their own and follow each other, so the
  * element before a block is the last element of the block before. Words order as their
@@ -1536,13 +1542,7 @@ DEFINE_GROUPS(f64, double, double, vd, vdm, VD_LANES, min_vd, max_vd, vd2, fold_
               no_words_d, no_fast_groups, 0, vload2_f64, load_f64)
 
 /* Whether bf16 groups of 128 take the bf16 dot-product path (fast_groups_bf16). */
-int dw_fast_bf16(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && VBYTES == 64
-    return 1;
-#else
-    return 0;
-#endif
-}
+int dw_fast_bf16(void) { return FAST_BF16; }
 
 /*
  * The pieces of one chunk, each the work of one dw_moments_* or dw_groups_* call, taken one
