@@ -434,13 +434,23 @@ def _double_heads() -> nn.Module:
     return GPT2DoubleHeadsModel(config).train()
 
 
-# batch, choices, tokens. Fixed data, not the global RNG at import time: for a few
-# batches the choice cross-entropy cancels the mc bias's gradient to exactly 0, which
-# `check` reports as DW103 info (exact zeros are left unprobed, see
-# probes/invariance.py) rather than the DW105 warning these tests are about.
+# batch, choices, tokens. Fixed data, not the global RNG at import time.
 IDS = torch.randint(0, 100, (2, 3, 8), generator=torch.Generator().manual_seed(0))
 MC_TOKEN = torch.full((2, 3), 7)
 MC_LABEL = torch.tensor([0, 2])
+
+
+def _only_mc_bias_redundant(report: deadweight.Report) -> None:
+    """The multiple-choice head's single bias adds the same number to every choice's
+    score, which the cross-entropy over choices removes exactly. Its gradient is then
+    rounding noise: exactly 0 for some dropout draws (DW103) and ~1e-8 for others
+    (DW105), so the test holds the mechanism, not which of the two the draw gave. Nothing
+    else may be reported above info."""
+    bias = ("multiple_choice_head.summary.bias",)
+    redundant = [f for f in report.findings if f.code in ("DW103", "DW105")]
+    assert [f.params for f in redundant] == [bias], report
+    loud = [f for f in report.findings if f.severity is not Severity.INFO]
+    assert all(f.params == bias for f in loud), report
 
 
 def test_model_output_both_heads_in_loss() -> None:
@@ -450,11 +460,7 @@ def test_model_output_both_heads_in_loss() -> None:
         out = m(input_ids=IDS, mc_token_ids=MC_TOKEN, labels=IDS, mc_labels=MC_LABEL)
         return out.loss + out.mc_loss  # .loss alone is only the LM loss
 
-    report = _check(model, loss_of)
-    # The multiple-choice head's single bias adds the same number to every choice's
-    # score, which the cross-entropy over choices removes: a real DW105 warning.
-    redundant = [f for f in report.findings if f.severity is not Severity.INFO]
-    assert [f.params for f in redundant] == [("multiple_choice_head.summary.bias",)]
+    _only_mc_bias_redundant(_check(model, loss_of))
 
 
 def test_model_output_multiple_choice_head_unused() -> None:
@@ -474,6 +480,4 @@ def test_model_output_used_through_its_fields() -> None:
         lm = F.cross_entropy(out.logits[..., :-1, :].reshape(-1, 100), IDS[..., 1:].reshape(-1))
         return lm + F.cross_entropy(out["mc_logits"], MC_LABEL)
 
-    report = _check(model, loss_of)
-    redundant = [f for f in report.findings if f.severity is not Severity.INFO]
-    assert [f.params for f in redundant] == [("multiple_choice_head.summary.bias",)]
+    _only_mc_bias_redundant(_check(model, loss_of))
