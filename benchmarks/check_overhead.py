@@ -1,10 +1,11 @@
 """What `deadweight.check` costs next to one plain forward+backward of the same batch.
 
 The model is transformers' GPT-2 code with a ~20M-parameter random config (no
-download): healthy (only info findings: 38 shift-invariant parameters confirmed by
-the functional probe); with 1, 4 or 16 scalars that ln_f cancels (more candidates
-to confirm); and with every LayerNorm run as a no-grad "fused" kernel (the check
-traces and reports the cuts). The variants
+download): healthy (no findings: the structure pass finds no cancelled parameter,
+so nothing is re-run); with 1, 4 or 16 scalars that ln_f cancels (candidates the
+structure pass finds and one grouped re-run pair, x10 and x100, confirms); and with
+every LayerNorm run as a no-grad "fused" kernel (the check traces and reports the
+cuts). The variants
 run interleaved (plain, check, plain, check, ...) so machine noise hits both alike;
 each figure is the median of the per-pair ratios.
 

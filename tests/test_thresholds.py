@@ -83,20 +83,36 @@ def test_never_moved_steps_reaches_watch_and_its_config() -> None:
 
 
 def test_noise_floor_ulps_reaches_check() -> None:
-    # A parameter whose gradient is real, tiny signal: within a floor of 1e12 ulps it
-    # counts as noise (DW103), within the default 16 it does not.
+    # The floor is the fallback for a path through a call deadweight cannot see into
+    # (here an autograd.Function): within a floor of 1e12 ulps a real gradient counts
+    # as noise (DW103), within the default 16 it does not. A parameter whose path the
+    # structure pass follows is judged by that, whatever the floor.
     import torch
     from torch import nn
+
+    class Opaque(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):  # type: ignore[no-untyped-def, override]
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+            return g
 
     model = nn.Linear(4, 1)
     x, y = torch.randn(16, 4), torch.randn(16, 1)
 
-    def loss_fn() -> torch.Tensor:
+    def opaque_loss() -> torch.Tensor:
+        return ((Opaque.apply(model(x)) - y) ** 2).mean()
+
+    def plain_loss() -> torch.Tensor:
         return ((model(x) - y) ** 2).mean()
 
-    assert not deadweight.check(model, loss_fn).by_code("DW103")
-    flagged = deadweight.check(model, loss_fn, thresholds={"noise-floor-ulps": 1e12})
+    assert not deadweight.check(model, opaque_loss).by_code("DW103")
+    flagged = deadweight.check(model, opaque_loss, thresholds={"noise-floor-ulps": 1e12})
     assert flagged.by_code("DW103")
+    followed = deadweight.check(model, plain_loss, thresholds={"noise-floor-ulps": 1e12})
+    assert not followed.by_code("DW103")
 
 
 def test_watch_reads_the_configuration_when_asked(

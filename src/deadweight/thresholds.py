@@ -42,6 +42,25 @@ class Thresholds:
         "clear of that while the incident's cancelled scalar (|g| = 2.8e-10 at loss ~3) "
         "sits far below it.",
     )
+    drift_horizon_steps: int = _threshold(
+        10_000,
+        ("DW104", "DW105", "DW204"),
+        "Optimizer steps over which check predicts how far the optimizer moves a "
+        "parameter a normalization cancels; a material move within them makes the "
+        "finding a warning.",
+        "Fine-tuning runs last a few thousand steps and pre-training far longer; within "
+        "10k steps the incident's scalar (0.18 lr per step at lr 8.5e-4) moves by 1.5, "
+        "150% of its size, while an fp32 key bias (noise 100-10^4x under Adam's eps) "
+        "moves by a hundredth of a learning rate per step.",
+    )
+    material_drift: float = _threshold(
+        0.1,
+        ("DW104", "DW105", "DW204"),
+        "The move within the horizon, as a fraction of the parameter's RMS, that counts "
+        "as material: from noise-driven steps or from weight decay shrinking it.",
+        "A gain or scalar 10% off its value changes the activations, and the range a "
+        "quantizer must cover, by as much; below that it is noise.",
+    )
     never_moved_steps: int = _threshold(
         50,
         ("DW301",),

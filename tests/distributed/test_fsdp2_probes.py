@@ -33,10 +33,13 @@ def test_check_on_fsdp2_confirms_the_cancelled_scalar_as_in_one_process(tmp_path
             res["evidence"]["DW104"]["params"][LAST],
             single["evidence"]["DW104"]["params"][LAST],
         )
-        assert ev["probe"] == ref["probe"] == "x10"
+        # FSDP2 confirms on the loss (the structure pass is off there); one process
+        # on the cancelling op's own output: both scale it x10 and x100
+        assert ev["probe"] == "x10"
+        assert ref["probe"] == "x10, x100" and ref["confirmed"] is True
         # scaling the scalar moved the whole batch's loss by rounding noise only
         assert ev["relative_loss_change"] < 1e-5
-        assert ev["screen_score"] == pytest.approx(ref["screen_score"], rel=0.5)
+        assert ref["relative_loss_change"] < 1e-5
         assert res["untouched"] is True
     assert results[0]["findings"] == results[1]["findings"]
     # no probe's gathered copy outlives the check: the next forward sees the shards
@@ -53,7 +56,11 @@ def test_healthy_fsdp2_model_is_probed_and_nothing_is_confirmed_invariant(tmp_pa
     for res in [single, *results.values()]:
         codes = {code for code, _ in _codes_and_params(res)}
         assert not codes & {"DW101", "DW103", "DW104", "DW105"}, res["findings"]
-        # the weak branch was a candidate: probed at x10 and x100, found to matter
+    # Under FSDP2 the weak branch is a candidate of the loss-relative screen: probed at
+    # x10 and x100 on every rank, found to matter. One process proves from the graph's
+    # structure that it reaches the loss, and re-runs nothing.
+    assert single["calls"] == 1
+    for res in results.values():
         assert res["calls"] == 3
     assert results[0]["findings"] == results[1]["findings"] == single["findings"]
 

@@ -201,6 +201,26 @@ def test_no_drift_with_sgd() -> None:
     assert not w.report().by_code("DW302")
 
 
+def test_a_random_walk_is_not_a_drift() -> None:
+    """Weak-but-real gradients of random sign (a fresh layer on random data) make Adam
+    random-walk: 52% of steps one way, a net share of 1/sqrt(n). Not a drift."""
+    from deadweight.rules._drift import directed
+
+    gen = torch.Generator().manual_seed(0)
+    for steps in (100, 400, 3000):
+        signs = torch.randint(0, 2, (steps,), generator=gen) * 2 - 1
+        walk = signs.cumsum(0)
+        same = max(int((signs > 0).sum()), int((signs < 0).sum())) / steps
+        net = abs(int(walk[-1])) / steps
+        assert not directed(same, steps, net, steps), (steps, same, net)
+    # A biased walk (66% of steps one way, the toy port of the incident) is a drift.
+    assert directed(0.66, 1000, 0.32, 1000)
+    # So is a steady drift with few steps.
+    assert directed(0.95, 100, 0.9, 100)
+    # 60% one way in 100 steps is 2 standard deviations: chance, not a direction.
+    assert not directed(0.6, 100, 0.2, 100)
+
+
 # -- healthy models ----------------------------------------------------------------------
 
 

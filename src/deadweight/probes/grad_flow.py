@@ -20,10 +20,11 @@ from torch import nn
 
 from deadweight import param_roles
 from deadweight.errors import CollectiveError, InputError, LossFnError
-from deadweight.probes import autograd_graph, distributed, invariance
+from deadweight.probes import autograd_graph, cancellation, distributed, invariance
+from deadweight.probes.cancellation import Cancellation, StructureTracker
 from deadweight.probes.invariance import GradStats, ProbeResult
 from deadweight.probes.module_trace import ModuleTracer
-from deadweight.probes.op_trace import OpTracer, tensors_in
+from deadweight.probes.op_trace import OpTracer, op_name, tensors_in
 from deadweight.probes.optimizer_groups import OptimizerFacts, optimizer_facts
 from deadweight.probes.sites import Site, definition_site
 from deadweight.probes.state import (
@@ -122,6 +123,16 @@ class GradFlowStats:
     # (name, "scale" | "shift") -> the functional probe's result, for screened candidates
     invariance: dict[tuple[str, str], ProbeResult] = field(default_factory=dict)
     probe_note: str | None = None  # why probes were skipped, when they were
+    # Parameters a cancelling op removes from the loss by construction (the structure
+    # pass, probes/cancellation.py), with the re-run that confirmed them.
+    cancellations: dict[str, Cancellation] = field(default_factory=dict)
+    # Parameters the structure pass proved to reach the loss through ops it knows:
+    # a tiny gradient there is a weak coupling (a fresh layer), not noise.
+    influencing: frozenset[str] = frozenset()
+    # Parameters the structure pass could not follow (a custom op or autograd.Function
+    # on their way, or the pass off); only these get the numerical screens.
+    unstructured: frozenset[str] = frozenset()
+    structure_note: str | None = None
     loss_eps: float = float(torch.finfo(torch.float32).eps)
     optimizer_facts: OptimizerFacts | None = None
 
@@ -160,12 +171,20 @@ def measure_grad_flow(
     in_opt = _optimizer_param_ids(optimizer)
 
     versions = {id(p): p._version for _, p in named}
+    # FSDP2's forward uses unsharded stand-ins for the parameters, which the pass would
+    # not recognise: there the numerical screens decide alone.
+    structure = (
+        StructureTracker({id(p): p for _, p in trainable}, names_by_id) if shards is None else None
+    )
     with preserved(model) as guard:
         modules = ModuleTracer(model)
+        if structure is not None:
+            structure.set_module_lookup(modules.current)
         tracer = OpTracer(
             modules.current,
             params={id(p): p for _, p in named},
             before_param_write=guard.before_write,
+            structure=structure,
         )
         with torch.inference_mode(False), torch.enable_grad():
             try:
@@ -302,19 +321,30 @@ def measure_grad_flow(
                         strict=True,
                     )
                 )
+                runnable = backward_error is None and math.isfinite(value)
+                structural = _structure_verdict(
+                    structure, loss, with_grad, stats_by_name, loss_fn, guard, value, runnable
+                )
+                screened = [(n, p) for n, p in with_grad if n in structural.unstructured]
                 probes, probe_note = invariance.probe(
-                    with_grad,
+                    screened,
                     stats_by_name,
                     value,
                     loss_eps,
                     invariance.rerun_of(loss_fn, guard),
-                    runnable=backward_error is None and math.isfinite(value),
+                    runnable=runnable,
                 )
 
+    if shards is not None:
+        structural = _Structural({}, frozenset(), frozenset(n for n, _ in trainable), None)
     roles = param_roles.parameter_roles(model)
     return GradFlowStats(
         invariance=probes,
         probe_note=probe_note,
+        cancellations=structural.cancellations,
+        influencing=structural.influencing,
+        unstructured=structural.unstructured,
+        structure_note=structural.note,
         loss_eps=loss_eps,
         optimizer_facts=optimizer_facts(model, optimizer) if optimizer is not None else None,
         model=type(model).__name__,
@@ -352,6 +382,77 @@ def measure_grad_flow(
         backward_error=backward_error,
         grads=grads,
     )
+
+
+@dataclass(frozen=True)
+class _Structural:
+    cancellations: dict[str, Cancellation]
+    influencing: frozenset[str]
+    unstructured: frozenset[str]
+    note: str | None
+
+
+def _structure_verdict(
+    structure: StructureTracker | None,
+    loss: torch.Tensor,
+    with_grad: list[tuple[str, nn.Parameter]],
+    stats: dict[str, GradStats],
+    loss_fn: LossFn,
+    guard: Any,
+    value: float,
+    runnable: bool,
+) -> _Structural:
+    """The structure pass's candidates, each confirmed by re-running the forward."""
+    names = frozenset(n for n, _ in with_grad)
+    if structure is None or structure.failed is not None:
+        note = f"structure pass off: {structure.failed}" if structure is not None else None
+        return _Structural({}, frozenset(), names, note)
+    found = structure.result(loss, lambda i: structure.param_names[i] in names)
+    candidates = {n: c for n, c in found.cancellations.items() if n in stats}
+    note = None
+    if candidates and runnable:
+        params = dict(with_grad)
+        candidates = cancellation.confirm(
+            candidates,
+            params,  # type: ignore[arg-type]
+            structure.outputs,
+            _capturing_rerun(loss_fn, guard),
+            value,
+        )
+        if any("not reproducible" in str(c.evidence.get("probe")) for c in candidates.values()):
+            note = (
+                "structural candidates not confirmed: re-running loss_fn gave other "
+                "outputs; make it use one fixed batch"
+            )
+    elif candidates:
+        note = "structural candidates not confirmed: the loss is not finite or backward failed"
+    return _Structural(candidates, found.influencing, found.opaque & names, note)
+
+
+def _capturing_rerun(
+    loss_fn: LossFn, guard: Any
+) -> Callable[
+    [set[tuple[str, int]]], tuple[float | None, dict[tuple[str, int], torch.Tensor]] | None
+]:
+    """`loss_fn` re-run under no_grad on the checked run's RNG state, keeping the outputs
+    of the given calls (`cancellation.OutputCapture`); None when it raises."""
+
+    def rerun(
+        targets: set[tuple[str, int]],
+    ) -> tuple[float | None, dict[tuple[str, int], torch.Tensor]] | None:
+        guard.reset_rng()
+        capture = cancellation.OutputCapture(targets, op_name)
+        try:
+            with torch.no_grad(), capture:
+                out = loss_fn()
+        except Exception:
+            return None
+        loss = None
+        if isinstance(out, torch.Tensor) and out.numel() == 1:
+            loss = float(out.detach().float().item())
+        return loss, capture.outputs
+
+    return rerun
 
 
 def _probe_shards(

@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.weak import WeakIdKeyDictionary
 
+from deadweight.probes.cancellation import COUNTED, StructureTracker
 from deadweight.probes.sites import Site, site_of, user_frame, user_site
 
 Tensor = torch.Tensor
@@ -81,6 +82,7 @@ class NodeOrigin:
 class _FunctionCall:
     cls: type
     inner_roots: list[Any] = field(default_factory=list)
+    inner_params: list[Tensor] = field(default_factory=list)
 
 
 class OpTracer(TorchFunctionMode):
@@ -91,8 +93,12 @@ class OpTracer(TorchFunctionMode):
         current_module: Callable[[], str | None] = lambda: None,
         params: dict[int, Tensor] | None = None,
         before_param_write: Callable[[Tensor], None] | None = None,
+        structure: StructureTracker | None = None,
     ) -> None:
         super().__init__()
+        # Follows the parameters' scale and shift effects through every call (see
+        # probes/cancellation.py); None leaves that pass out.
+        self._structure = structure
         self._current_module = current_module
         self._params = params or {}
         self._before_param_write = before_param_write
@@ -149,7 +155,16 @@ class OpTracer(TorchFunctionMode):
             # Function works, so only remember what needed a grad for the verdict at apply.
             if not _any_requires_grad(out):
                 self._functions[-1].inner_roots.extend(_grad_roots(args, kwargs))
+            if self._structure is not None:
+                name = op_name(func)
+                if name in COUNTED:
+                    self._structure.count(name)
+                self._functions[-1].inner_params.extend(
+                    v for v in _flat_args(args, kwargs) if id(v) in self._params
+                )
             return out
+        if self._structure is not None:
+            self._structure.observe(func, op_name(func), args, kwargs, out)
 
         taint = self._incoming_taint(args, kwargs) if (self._taint or self._py_taint) else None
 
@@ -226,11 +241,15 @@ class OpTracer(TorchFunctionMode):
             if not _any_requires_grad(out):
                 self._functions[-1].inner_roots.extend(_grad_roots(args, kwargs))
                 self._functions[-1].inner_roots.extend(call.inner_roots)
+            self._functions[-1].inner_params.extend(call.inner_params)
             return out
         for root in call.inner_roots:
             if isinstance(root, Tensor):
                 self.leaves_inside_functions[id(root)] = root
         outputs = list(tensors_in(out))
+        if self._structure is not None:
+            # The pass cannot see into a Function: what comes out depends on all it used.
+            self._structure.opaque_call(args, kwargs, outputs, call.inner_params)
         name = f"{cls.__module__}.{cls.__qualname__}"
         for o in outputs:
             if o.grad_fn is not None and o.grad_fn not in self.node_origins:
@@ -360,6 +379,20 @@ def tensors_in(obj: Any, depth: int = 3) -> Iterator[Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from tensors_in(getattr(obj, f.name, None), depth - 1)
+
+
+_NAMES: dict[Any, str] = {}
+
+
+def op_name(func: Any) -> str:
+    """`_op_name`, remembered per callable (it runs for every call of a traced forward)."""
+    try:
+        name = _NAMES.get(func)
+    except TypeError:  # an unhashable callable
+        return _op_name(func)
+    if name is None:
+        name = _NAMES[func] = _op_name(func)
+    return name
 
 
 def _op_name(func: Any) -> str:

@@ -9,7 +9,8 @@ uses only the exact per-step statistics of small parameters (`SmallStats`):
 * it still moves like a learner: updates of at least `MIN_UPDATE_LR` of the learning
   rate per element and step (Adam-family steps do not shrink with the gradient), in a
   consistent direction (`MIN_SAME_SIGN` of the steps radially the same way, or a net
-  drift of at least `MIN_NET_SHARE` of the distance travelled), and it has drifted by
+  drift of at least `MIN_NET_SHARE` of the distance travelled, either of them beyond
+  what a random walk of as many steps gives by chance), and it has drifted by
   at least `drift-min-relative` of its size, after `drift-min-steps` steps.
 """
 
@@ -28,6 +29,20 @@ from deadweight.thresholds import current
 MIN_UPDATE_LR = 0.05  # SGD turns a noise-level gradient into noise-level steps: ~0 lr
 MIN_SAME_SIGN = 0.6  # 82% in the incident, 66% over 20k steps in the toy port
 MIN_NET_SHARE = 0.1
+
+
+# A random walk is not a drift. Over n steps of random sign the share of steps one way
+# is 0.5 +- 0.5/sqrt(n), and the net distance is about sqrt(n) steps of a path of n:
+# a net share of 1/sqrt(n), which reaches MIN_NET_SHARE by chance at n = 100. Both
+# tests therefore also ask for SIGNIFICANCE standard deviations beyond a random walk.
+SIGNIFICANCE = 3.0
+
+
+def directed(same_sign: float, moves: float, net_share: float, steps: int) -> bool:
+    """Whether the updates keep a direction, beyond what a random walk does by chance."""
+    by_sign = same_sign >= MIN_SAME_SIGN and (2 * same_sign - 1) * math.sqrt(moves) >= SIGNIFICANCE
+    by_net = net_share >= max(MIN_NET_SHARE, SIGNIFICANCE / math.sqrt(max(steps, 1)))
+    return by_sign or by_net
 
 
 @dataclass(frozen=True)
@@ -88,7 +103,7 @@ def noise_driven(stats: WatchStats) -> list[Drift]:
         moves = s.radial_pos + s.radial_neg
         same_sign = max(s.radial_pos, s.radial_neg) / moves if moves else 0.0
         net_share = s.drift / s.path if s.path else 0.0
-        if same_sign < MIN_SAME_SIGN and net_share < MIN_NET_SHARE:
+        if not directed(same_sign, moves, net_share, s.steps):
             continue
         start = next((v for v in track.series.param_norm if v is not None), None)
         if start is not None and start > 0 and s.drift < limits.drift_min_relative * start:

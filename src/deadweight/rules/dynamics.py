@@ -111,7 +111,11 @@ def drift_without_gradient(stats: WatchStats) -> Iterator[Finding]:
     siblings (the same name in other layers) or, without siblings, with the other
     small parameters. It flags a parameter whose gradient is at most 1/1000 of theirs
     while it still moves by a sizeable fraction of the learning rate per step, mostly
-    in one direction.
+    in one direction: at least 60% of its steps the same way, or a net move of 10% of
+    the distance travelled, and in either case 3 standard deviations beyond what a
+    random walk of as many steps gives by chance (a share of 0.5 +- 0.5/sqrt(n), a
+    net share of 1/sqrt(n)). A weak-but-real gradient of random sign (a fresh layer
+    on random data) makes Adam random-walk, 52-53% of steps one way: not a drift.
 
     ## Why is this bad
     Adam-family optimizers normalise each update by the gradient's own running size,

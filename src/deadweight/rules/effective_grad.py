@@ -8,13 +8,15 @@ from deadweight.findings import Finding, Location, Severity
 from deadweight.probes.grad_flow import GradFlowStats
 from deadweight.probes.invariance import SCALE_FACTOR
 from deadweight.registry import get_rule, rule
-from deadweight.rules._effective import Ineffective, no_effective_gradient
+from deadweight.rules._effective import Ineffective, movement, no_effective_gradient, severity_of
 from deadweight.thresholds import current
 
 _MAX_EVIDENCE = 20
 
 
-def _evidence(items: list[Ineffective], loss: float | None) -> dict[str, object]:
+def _evidence(
+    items: list[Ineffective], loss: float | None, stats: GradFlowStats | None = None
+) -> dict[str, object]:
     per_param = {}
     for i in items[:_MAX_EVIDENCE]:
         g = i.param.grad
@@ -25,10 +27,35 @@ def _evidence(items: list[Ineffective], loss: float | None) -> dict[str, object]
             "grad_sum": g.grad_sum,
             "param_norm": g.param_norm,
         }
-        if i.probe is not None:
+        c = i.cancellation
+        if c is not None:
+            entry["mechanism"] = [
+                {
+                    "op": m.op,
+                    "site": str(m.site) if m.site is not None else None,
+                    "module": m.module,
+                    "dims": list(m.dims),
+                    "directions": "every" if m.facet == "full" else "uniform",
+                    "up_to_eps": m.approx,
+                }
+                for m in c.mechanisms[:4]
+            ]
+            entry["by_construction"] = True
+            entry["confirmed"] = c.confirmed
+            entry.update({k: v for k, v in c.evidence.items()})
+        elif i.probe is not None:
             entry["probe"] = f"x{SCALE_FACTOR:g}" if i.probe.kind == "scale" else "+shift"
             entry["relative_loss_change"] = i.probe.relative_change
             entry["screen_score"] = i.probe.screen_score
+        if stats is not None and stats.optimizer_facts is not None and i.cannot_learn:
+            moved = movement(i, stats.optimizer_facts)
+            if moved is not None and "drift_over_horizon" in moved:
+                entry["horizon_steps"] = moved["horizon_steps"]
+                entry["predicted_move"] = max(
+                    float(moved["drift_over_horizon"]),  # type: ignore[arg-type]
+                    float(moved["decay_over_horizon"]),  # type: ignore[arg-type]
+                )
+                entry["material"] = moved["material"]
         if i.param.pinned:
             entry["pinned"] = True
             entry["moved_since_pin"] = i.param.moved_since_pin
@@ -43,19 +70,60 @@ def _location(items: list[Ineffective]) -> Location:
     return Location(module=items[0].param.module)
 
 
-def _split(
-    stats: GradFlowStats, kinds: tuple[str, ...]
-) -> tuple[list[Ineffective], list[Ineffective]]:
-    """(cannot learn at all and not pinned, the rest) among the given kinds."""
-    found = [i for i in no_effective_gradient(stats).values() if i.kind in kinds]
-    hard = [i for i in found if i.cannot_learn and not i.param.pinned]
-    soft = [i for i in found if not (i.cannot_learn and not i.param.pinned)]
-    return hard, soft
-
-
 def _names(items: list[Ineffective]) -> str:
     shown = ", ".join(i.param.name for i in items[:3])
     return shown + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+
+
+def _found(stats: GradFlowStats, kinds: tuple[str, ...]) -> list[Ineffective]:
+    return [i for i in no_effective_gradient(stats).values() if i.kind in kinds]
+
+
+def _mechanism(items: list[Ineffective]) -> str:
+    """What cancels them, as one phrase: "the LayerNorm at model.py:88 (ln_f)"."""
+    described = []
+    for i in items:
+        if i.cancellation is not None:
+            text = "the " + i.cancellation.mechanism
+            if text not in described:
+                described.append(text)
+    if not described:
+        return ""
+    return described[0] + (f" and {len(described) - 1} other op(s)" if len(described) > 1 else "")
+
+
+def _confirmation(i: Ineffective) -> str:
+    c = i.cancellation
+    if c is None:
+        return ""
+    if c.confirmed is None:
+        return " (by construction; a re-run to confirm it was not possible)"
+    change = c.evidence.get("op_output_change")
+    if c.kind == "shift" and change is not None:
+        return f" (shifting it changed that op's output by {change:.1e}, relative)"
+    growth = c.evidence.get("op_output_growth")
+    if change is not None and growth is not None:
+        return (
+            f" (scaling it changed that op's output by {change:.1e}, relative, and "
+            f"scaling it 10x further by {growth:.1e})"
+        )
+    return ""
+
+
+def _fate(i: Ineffective, stats: GradFlowStats) -> str:
+    """What the optimizer will do with it, in words."""
+    facts = stats.optimizer_facts
+    if facts is None:
+        return "whatever optimizer trains it moves it on noise alone"
+    moved = movement(i, facts)
+    if moved is None:
+        return "it is in no param group"
+    if "drift_over_horizon" not in moved:
+        return f"{facts.name}'s update rule is unknown to deadweight, so it may drift"
+    move = max(float(moved["drift_over_horizon"]), float(moved["decay_over_horizon"]))  # type: ignore[arg-type]
+    size = float(moved["param_rms"])  # type: ignore[arg-type]
+    share = f" ({move / size:.0%} of its size)" if size > 0 else ""
+    return f"{facts.name} will move it by about {move:.2g}{share} within {moved['horizon_steps']} steps"
 
 
 @rule(
@@ -72,15 +140,20 @@ def zero_gradient(stats: GradFlowStats) -> Iterator[Finding]:
 
     - exactly zero in every entry (info: at step 0 this is what zero-initialised
       designs give the layers next to them, such as LoRA's A matrix while B = 0);
-    - nonzero but below the noise floor (warning), unless the functional probe shows
-      the loss does depend on it (then it merely sits at an optimum). The floor is where moving the
-      parameter by its own size (by 1 for an all-zero parameter) would, to first
-      order, change the loss by less than 16 rounding errors of the loss:
-      `|g| * max(|theta|, 1) <= 16 * eps * |loss|`, eps the machine epsilon of the
-      loss's dtype (1.19e-7 for float32).
+    - nonzero but below the noise floor (warning), for parameters whose path to the
+      loss goes through a call deadweight cannot see into (a custom op, an
+      `autograd.Function`). The floor is where moving the parameter by its own size
+      (by 1 for an all-zero parameter) would, to first order, change the loss by less
+      than 16 rounding errors of the loss: `|g| * max(|theta|, 1) <= 16 * eps * |loss|`,
+      eps the machine epsilon of the loss's dtype (1.19e-7 for float32).
 
-    Parameters whose invariance the functional probe confirms are reported by
-    DW104/DW105 instead.
+    How a verdict is reached: every other parameter is judged from the structure of
+    the forward (see DW104). A parameter the structure shows reaching the loss
+    through ops deadweight knows has a real gradient however small: a freshly
+    initialised layer whose influence is still weak (at width 32 with init std 0.02
+    a whole BART encoder moves the loss by 5e-5) is no finding. One that a
+    normalization cancels is DW104's or DW105's. The floor in ulps of the loss is
+    only the fallback where the structure is unknown.
 
     ## Why is this bad
     Such a parameter does not learn, yet still "has a gradient", so checks for None
@@ -88,8 +161,8 @@ def zero_gradient(stats: GradFlowStats) -> Iterator[Finding]:
     and takes steps of up to the learning rate in a direction nothing controls.
 
     ## Example
-    A scalar multiplying the hidden state right before the final RMSNorm had
-    |g| = 2.8e-10 in the incident (an eps residue of RMSNorm), far below the floor.
+    A scalar multiplying the hidden state right before a fused RMSNorm kernel that
+    deadweight cannot see into: its gradient is the kernel's eps residue.
 
     ## Fix
     Find what cancels the parameter (a normalization after it, a zero factor) and
@@ -101,17 +174,19 @@ def zero_gradient(stats: GradFlowStats) -> Iterator[Finding]:
       `param_norm`, and `pinned` / `moved_since_pin` for a pinned one.
     - `omitted`: parameters left out of `params` (it holds at most 20).
     """
-    hard, soft = _split(stats, ("noise", "zero"))
+    found = _found(stats, ("noise", "zero"))
     loss = stats.loss.value
+    hard = [i for i in found if i.kind == "noise" and not i.param.pinned]
     if hard:
         yield get_rule("DW103").finding(
             f"{len(hard)} parameter(s) get only numerical noise as gradient ({_names(hard)}): "
-            f"below the floor of {current().noise_floor_ulps:g} ulps of the loss.",
+            f"below the floor of {current().noise_floor_ulps:g} ulps of the loss, on a path "
+            "through an op deadweight cannot see into.",
             params=[i.param.name for i in hard],
             location=_location(hard),
-            evidence=_evidence(hard, loss),
+            evidence=_evidence(hard, loss, stats),
         )
-    zeros = [i for i in soft if i.kind == "zero"]
+    zeros = [i for i in found if i.kind == "zero"]
     if zeros:
         yield get_rule("DW103").finding(
             f"{len(zeros)} parameter(s) get an exactly zero gradient at this step "
@@ -126,57 +201,107 @@ def zero_gradient(stats: GradFlowStats) -> Iterator[Finding]:
 
 
 def _invariance_findings(stats: GradFlowStats, code: str, kind: str) -> Iterator[Finding]:
-    hard, soft = _split(stats, (kind,))
+    found = _found(stats, (kind,))
     loss = stats.loss.value
-    verb = f"scaling it by {SCALE_FACTOR:g}" if kind == "scale" else "shifting it far"
-    for i in hard:
-        assert i.probe is not None and i.param.grad is not None
+    what = "divides out" if kind == "scale" else "removes any constant added to"
+    by_severity: dict[Severity, list[Ineffective]] = {}
+    for i in found:
+        by_severity.setdefault(severity_of(i, stats), []).append(i)
+    for i in by_severity.get(Severity.WARNING, []):
+        g = i.param.grad
+        assert g is not None
+        mechanism = _mechanism([i])
+        if mechanism:
+            how = f"{mechanism} {what} {i.param.name} on every path to the loss{_confirmation(i)}"
+        else:
+            verb = f"scaling it by {SCALE_FACTOR:g}" if kind == "scale" else "shifting it far"
+            change = i.probe.relative_change if i.probe is not None else None
+            how = f"{verb} changed the loss by {change:.1e} (relative)"
         yield get_rule(code).finding(
-            f"The loss does not depend on {i.param.name}: {verb} changed the loss by "
-            f"{i.probe.relative_change:.1e} (relative) and its gradient "
-            f"(|g| = {i.param.grad.grad_norm:.1e}) carries nothing to learn; the optimizer "
-            "moves it on noise alone.",
+            f"The loss does not depend on {i.param.name}: {how}. Its gradient "
+            f"(|g| = {g.grad_norm:.1e}) is rounding noise with nothing to learn, and "
+            f"{_fate(i, stats)}.",
             params=[i.param.name],
             location=Location(module=i.param.module),
-            evidence=_evidence([i], loss),
+            evidence=_evidence([i], loss, stats),
         )
-    if soft:
-        pinned = [i for i in soft if i.param.pinned and i.cannot_learn]
-        free = [i for i in soft if i not in pinned]
-        if free:
-            what = "norm" if kind == "scale" else "mean"
-            yield get_rule(code).finding(
-                f"{len(free)} parameter(s) are {kind}-invariant ({_names(free)}): their {what} "
-                "is free while the rest still learns, as for a projection right before a "
-                "normalization; expected in such designs.",
-                params=[i.param.name for i in free],
-                location=_location(free),
-                evidence=_evidence(free, loss),
-                severity=Severity.INFO,
-                fix=f"Nothing to do if the design intends it; weight decay keeps the free {what} bounded.",
-            )
-        held = [i for i in pinned if not i.param.moved_since_pin]
-        slipped = [i for i in pinned if i.param.moved_since_pin]
-        if held:
-            yield get_rule(code).finding(
-                f"{len(held)} pinned parameter(s) cannot change the loss ({_names(held)}); "
-                "the pin holds them: unchanged since pinned.",
-                params=[i.param.name for i in held],
-                location=_location(held),
-                evidence=_evidence(held, loss),
-                severity=Severity.INFO,
-                fix="Nothing to do: pinned with deadweight.pin.",
-            )
-        if slipped:
-            yield get_rule(code).finding(
-                f"{len(slipped)} pinned parameter(s) moved since they were pinned "
-                f"({_names(slipped)}): something other than the gradient changes them.",
-                params=[i.param.name for i in slipped],
-                location=_location(slipped),
-                evidence=_evidence(slipped, loss),
-                fix="Keep pinned parameters out of weight decay (deadweight.param_groups after "
-                "pinning, see DW206) and clear their optimizer state (pin(..., optimizer=opt)).",
-            )
+    infos = by_severity.get(Severity.INFO, [])
+    pinned = [i for i in infos if i.param.pinned and i.cannot_learn]
+    held = [i for i in pinned if not i.param.moved_since_pin]
+    slipped = [i for i in pinned if i.param.moved_since_pin]
+    rest = [i for i in infos if i not in pinned]
+    free = [i for i in rest if not i.cannot_learn]
+    exact = [i for i in rest if i.cannot_learn and i.kind == "shift" and i.confirmed]
+    still = [i for i in rest if i.cannot_learn and i not in exact and i.confirmed]
+    unconfirmed = [i for i in rest if i.cannot_learn and not i.confirmed]
+    if free:
+        norm = "norm" if kind == "scale" else "mean"
+        yield get_rule(code).finding(
+            f"{len(free)} parameter(s) have a free {norm} ({_names(free)}): "
+            f"{_mechanism(free) or 'a normalization'} {what} it while the rest still learns, "
+            "as for a projection right before a normalization; expected in such designs.",
+            params=[i.param.name for i in free],
+            location=_location(free),
+            evidence=_evidence(free, loss, stats),
+            severity=Severity.INFO,
+            fix=f"Nothing to do if the design intends it; weight decay keeps the free {norm} bounded.",
+        )
+    if exact:
+        yield get_rule(code).finding(
+            f"{len(exact)} parameter(s) are exact redundancies ({_names(exact)}): "
+            f"{_mechanism(exact)} {what} them{_confirmation(exact[0])}. They get only rounding "
+            "noise as gradient, and nothing downstream of that op sees where they drift: "
+            "harmless, but they learn nothing.",
+            params=[i.param.name for i in exact],
+            location=_location(exact),
+            evidence=_evidence(exact, loss, stats),
+            severity=Severity.INFO,
+            fix="Drop them (bias=False on the layer that feeds the cancelling op), or keep "
+            "them fixed with `deadweight.pin(model, name)`.",
+        )
+    if still:
+        yield get_rule(code).finding(
+            f"{len(still)} parameter(s) cannot learn ({_names(still)}): {_mechanism(still)} "
+            f"{what} them{_confirmation(still[0])}; {_fate(still[0], stats)}, which is not "
+            "enough to matter.",
+            params=[i.param.name for i in still],
+            location=_location(still),
+            evidence=_evidence(still, loss, stats),
+            severity=Severity.INFO,
+            fix="Remove them, or keep them fixed with `deadweight.pin(model, name)`.",
+        )
+    if unconfirmed:
+        yield get_rule(code).finding(
+            f"{len(unconfirmed)} parameter(s) look cancelled by construction "
+            f"({_names(unconfirmed)}): {_mechanism(unconfirmed)} {what} them, but re-running "
+            "the forward did not confirm it.",
+            params=[i.param.name for i in unconfirmed],
+            location=_location(unconfirmed),
+            evidence=_evidence(unconfirmed, loss, stats),
+            severity=Severity.INFO,
+            fix="Make loss_fn re-runnable on one fixed batch so that check can confirm it.",
+        )
+    if held:
+        yield get_rule(code).finding(
+            f"{len(held)} pinned parameter(s) cannot change the loss ({_names(held)}); "
+            "the pin holds them: unchanged since pinned.",
+            params=[i.param.name for i in held],
+            location=_location(held),
+            evidence=_evidence(held, loss),
+            severity=Severity.INFO,
+            fix="Nothing to do: pinned with deadweight.pin.",
+        )
+    if slipped:
+        yield get_rule(code).finding(
+            f"{len(slipped)} pinned parameter(s) moved since they were pinned "
+            f"({_names(slipped)}): something other than the gradient changes them.",
+            params=[i.param.name for i in slipped],
+            location=_location(slipped),
+            evidence=_evidence(slipped, loss),
+            severity=Severity.WARNING,
+            fix="Keep pinned parameters out of weight decay (deadweight.param_groups after "
+            "pinning, see DW206) and clear their optimizer state (pin(..., optimizer=opt)).",
+        )
 
 
 @rule(
@@ -189,21 +314,47 @@ def _invariance_findings(stats: GradFlowStats, code: str, kind: str) -> Iterator
 def scale_invariant(stats: GradFlowStats) -> Iterator[Finding]:
     """
     ## What it does
-    Screens every parameter with the first-order loss change of scaling it by 100,
-    `9 <g, theta> / |loss|`, and confirms candidates below 5e-4 by re-running the
-    loss function under no_grad with the parameter scaled by 100, on the same batch
-    and RNG state. Invariant means the loss moved by at most 0.1%: a normalization
-    cancels a factor at any size up to its eps residue (about 1e-5 relative for
-    eps = 1e-5), while a weak but real influence (a fresh GPT-2 projection moves
-    the loss by 7.6e-6 when merely doubled) shows far more at x100. Candidates are
-    probed in groups, each member by a different factor, so joint-only cancellations
-    do not pass. Would-be warnings come first; info candidates get one probe, and
-    only when there is no would-be warning to confirm.
+    Finds parameters that a normalization divides out: scaling them leaves the loss
+    unchanged.
 
-    A scalar or a parameter whose whole gradient is noise cannot learn at all
-    (warning): the incident's layer scalar feeding straight into the final RMSNorm.
-    A weight matrix whose norm is free while its direction learns, such as a
-    projection right before QK-norm, is how such models are meant to work (info).
+    How a verdict is reached, without reference to the loss's value, form or scale:
+
+    1. **Structure.** While the forward runs, every torch call is followed for each
+       parameter's *scale* (theta -> lambda theta multiplies a tensor by
+       lambda^k) through the ops that carry it: elementwise mul/div, linear/matmul/
+       conv without bias, reshapes and permutes (dims mapped), mean/sum over dims it
+       does not vary along, pow/sqrt/rsqrt, dropout, and additions of terms with the
+       same factor. LayerNorm, RMSNorm, GroupNorm, BatchNorm (training),
+       InstanceNorm and F.normalize cancel a factor that is constant over the dims
+       they normalize, and so does a written-out `x * rsqrt(mean(x^2) + eps)` or
+       `x / x.norm()` (the degrees add up to 0). A parameter whose scale is cancelled
+       on every path to the loss, and that reaches the loss in no other way, is a
+       candidate; the message names the op, its line and its module.
+    2. **Confirmation.** The forward is re-run under no_grad on the same batch and RNG
+       state with the candidates scaled (x10, then x100; a gain's every entry by its
+       own random factor in [3, 10], then squared), and the output of the cancelling
+       op itself is compared: invariant when x10 changed it by at most 5% (the eps
+       residue, ~eps / 2 var(x)) and x100 added at most a quarter of that, or
+       nothing beyond rounding. A weak but real influence grows 10-170x from x10 to
+       x100 instead. A re-run that is not reproducible (a new batch each call)
+       leaves the candidate unconfirmed (info).
+
+    The numerical screen (the first-order loss change 9 <g, theta> / |loss|, confirmed
+    on the loss) is used only for parameters whose path goes through a call the
+    structure pass cannot see into.
+
+    Severity says what will happen to the run:
+
+    - **warning**: cancelled in every direction (a scalar, or a gain whose every
+      entry is divided out), confirmed, and the optimizer will move it materially
+      within `drift-horizon-steps` (10k): Adam's noise-driven steps or weight decay
+      move it by at least `material-drift` (10%) of its size; or no optimizer was
+      given to tell. The incident's scalar: 0.18 lr per step, 1.5x its size in 10k
+      steps at lr 8.5e-4.
+    - **info**: a free norm while the direction still learns (a projection right
+      before QK-norm, a conv weight before BatchNorm), a cancelled parameter the
+      optimizer will not move materially (plain SGD moves it by lr x noise), or one a
+      re-run could not confirm.
 
     ## Why is this bad
     The parameter only pretends to learn: it has a gradient and changes every step,
@@ -222,10 +373,14 @@ def scale_invariant(stats: GradFlowStats) -> Iterator[Finding]:
     (a zeroed gradient, no weight decay, still trainable for DDP).
 
     ## Evidence
-    - `loss`: the loss value the gradients are compared with.
-    - `params`: per parameter `grad_norm`, `grad_dot_param` (⟨g, θ⟩), `grad_sum`, `param_norm`,
-      the `probe` that confirmed it (`x10`: scaled tenfold), the `relative_loss_change` it
-      caused, the gradient screen's `screen_score`, and `pinned` / `moved_since_pin`.
+    - `loss`: the loss value of the checked run.
+    - `params`: per parameter `grad_norm`, `grad_dot_param` (⟨g, θ⟩), `grad_sum`, `param_norm`;
+      `mechanism` (per cancelling op: `op`, `site`, `module`, `dims`, `directions` every /
+      uniform, `up_to_eps`), `by_construction`, `confirmed`; the re-run's `probe`,
+      `op_output_change` (x10 against x1), `op_output_growth` (x100 against x10) and
+      `relative_loss_change`; with an optimizer, `horizon_steps`, `predicted_move`
+      and `material`; `pinned` / `moved_since_pin`. Parameters judged by the fallback
+      screen carry `probe`, `relative_loss_change` and `screen_score` instead.
     - `omitted`: parameters left out of `params` (it holds at most 20).
     """
     yield from _invariance_findings(stats, "DW104", "scale")
@@ -234,43 +389,59 @@ def scale_invariant(stats: GradFlowStats) -> Iterator[Finding]:
 @rule(
     code="DW105",
     name="shift-invariant",
-    severity=Severity.WARNING,
+    severity=Severity.INFO,
     summary="The loss does not change when a constant is added to a parameter: a normalization cancels it.",
     consumes=GradFlowStats,
 )
 def shift_invariant(stats: GradFlowStats) -> Iterator[Finding]:
     """
     ## What it does
-    Screens every parameter with the first-order loss change of adding `c` to every
-    entry (100 times its RMS, or 10 for an all-zero parameter), `c * sum(g) / |loss|`,
-    and confirms candidates below 5e-4 by re-running the loss function under no_grad
-    with the parameter shifted, on the same batch and RNG state (invariant: the loss
-    moved by at most 0.1%).
+    Finds parameters to which adding a constant leaves the loss unchanged: a
+    softmax, a cross-entropy or a mean subtraction removes the constant again.
 
-    Probed are the parameters that could not learn at all if invariant: a single
-    number, or one whose whole gradient is at the noise floor, such as a bias right
-    before BatchNorm, which subtracts it again (warning). A bias whose mean alone is
-    free while the rest learns (feeding a LayerNorm) is how such models work and is
-    not probed, so as not to spend forwards on it.
+    How a verdict is reached (see DW104 for the structure pass): each parameter's
+    *shift* (theta -> theta + delta adds a term to a tensor) is followed through the
+    ops that carry it, including additions of unrelated terms, linear and matmul
+    (q @ k^T turns a constant added to every key into a term constant over the keys),
+    reshapes, permutes and means. Softmax and log_softmax over a dim, cross_entropy
+    over the classes, the softmax over keys in `scaled_dot_product_attention`,
+    LayerNorm, GroupNorm, BatchNorm (training), InstanceNorm and a written-out
+    `x - x.mean()` cancel a term that is constant over the dims they work on. A
+    parameter cancelled in every direction is confirmed by re-running the forward
+    with it shifted by 10x its RMS (10 for an all-zero one, a random sign per entry)
+    and comparing the cancelling op's output: unchanged within 2e-4 relative (8 ulps
+    for bf16/fp16 outputs); a real but weak shift influence changes it by 1e-2 and
+    more.
+
+    Severity: **info**. A cancelled shift is exact and harmless: the parameter
+    learns nothing, and nothing downstream of the cancelling op sees where it goes.
+    In float32 an attention key bias gets gradients of 1e-15 to 1e-10, 100-10^4x
+    under Adam's eps, and barely moves; under bf16 it random-walks (52% of its
+    steps one way) as far as real parameters move, still unseen. A bias whose mean
+    alone is free (a bias feeding a LayerNorm) is how such designs work and is not
+    reported.
 
     ## Why is this bad
-    The free part of the parameter moves on noise under adaptive optimizers; when
-    the whole parameter is free it only pretends to learn and drifts.
+    The parameter spends memory, optimizer state and, under bf16, a random walk on
+    nothing; a reader of the model assumes it does something.
 
     ## Example
     ```python
     nn.Sequential(nn.Conv2d(3, 8, 3, bias=True), nn.BatchNorm2d(8))  # conv bias is cancelled
+    k = self.key(x)                    # key bias: softmax over keys removes it
     ```
 
     ## Fix
-    Drop the parameter (`bias=False` before BatchNorm), or pin it with
-    `deadweight.pin(model, name)`.
+    Drop the parameter (`bias=False` before BatchNorm, on the key projection), or
+    keep it fixed with `deadweight.pin(model, name)`.
 
     ## Evidence
-    - `loss`: the loss value the gradients are compared with.
-    - `params`: per parameter `grad_norm`, `grad_dot_param`, `grad_sum` (Σg), `param_norm`,
-      the `probe` that confirmed it (`+shift`), the `relative_loss_change` it caused, the
-      gradient screen's `screen_score`, and `pinned` / `moved_since_pin`.
+    - `loss`: the loss value of the checked run.
+    - `params`: per parameter `grad_norm`, `grad_dot_param`, `grad_sum` (Σg), `param_norm`;
+      `mechanism`, `by_construction`, `confirmed`, the re-run's `probe` (`+shift`),
+      `op_output_change`, `tolerance` and `relative_loss_change`; `pinned` /
+      `moved_since_pin`. Parameters judged by the fallback screen carry `probe`,
+      `relative_loss_change` and `screen_score` instead.
     - `omitted`: parameters left out of `params` (it holds at most 20).
     """
     yield from _invariance_findings(stats, "DW105", "shift")

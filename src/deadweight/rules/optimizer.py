@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 from deadweight import param_roles
 from deadweight.findings import Finding, Location, Severity
 from deadweight.probes.grad_flow import GradFlowStats
-from deadweight.probes.optimizer_groups import GroupInfo, OptimizerFacts
+from deadweight.probes.optimizer_groups import OptimizerFacts
 from deadweight.registry import get_rule, rule
-from deadweight.rules._effective import Ineffective, at_risk
+from deadweight.rules._effective import Ineffective, at_risk, movement, severity_of
 from deadweight.rules._wording import module_of, name_list
 
 _NO_DECAY_ROLES = (param_roles.BIAS, param_roles.NORM_WEIGHT, param_roles.TAGGED)
@@ -120,6 +119,17 @@ def optimizer_stale_param(stats: GradFlowStats) -> Iterator[Finding]:
         )
 
 
+def _proven_scalar(item: Ineffective) -> bool:
+    """A single number the structure pass proved a normalization cancels (whatever its
+    module is called), not one someone tagged _no_weight_decay on purpose."""
+    return (
+        item.structural
+        and item.kind == "scale"
+        and item.param.numel == 1
+        and item.param.role != param_roles.TAGGED
+    )
+
+
 def _shape_rule(facts: OptimizerFacts, stats: GradFlowStats) -> str | None:
     """The shape rule a zero-decay group's membership matches, if it matches one."""
     shapes = {p.name: p.shape for p in stats.params}
@@ -153,8 +163,12 @@ def decay_by_shape(stats: GradFlowStats) -> Iterator[Finding]:
     dimension or fewer in a zero-decay group, every other one decayed) and reports
     the parameters it excluded for their shape alone, neither a bias nor a
     normalization weight nor tagged `_no_weight_decay`, that have no effective
-    gradient (DW103/DW104/DW105): for them weight decay was the only force keeping
-    them in place. (The shape rule in source is `deadweight lint`'s DW502.)
+    gradient (DW103/DW104/DW105) and that the optimizer will move materially (a
+    DW104 warning): for them weight decay was the only force keeping them in place.
+    Measured evidence beats names: a shape-[1] scalar that the structure pass proved
+    a normalization cancels is reported even when its module's class name says
+    "norm" (which would otherwise make it a normalization weight). (The shape rule
+    in source is `deadweight lint`'s DW502.)
 
     ## Why is this bad
     A rule such as `len(p.shape) == 1 -> no weight decay` is meant for biases and
@@ -182,12 +196,16 @@ def decay_by_shape(stats: GradFlowStats) -> Iterator[Finding]:
     if shape_rule is None:
         return
     risky = at_risk(stats)
+    # Measured evidence beats names: a scalar the structure pass proved cancelled is
+    # reported even when its module's class name says "norm" (a gain's role).
     flagged = [
         n
         for g in facts.groups
         if g.weight_decay == 0
         for n in g.names
-        if n in risky and risky[n].param.role not in _NO_DECAY_ROLES
+        if n in risky
+        and severity_of(risky[n], stats) is Severity.WARNING
+        and (risky[n].param.role not in _NO_DECAY_ROLES or _proven_scalar(risky[n]))
     ]
     for name in flagged:
         yield get_rule("DW203").finding(
@@ -198,49 +216,6 @@ def decay_by_shape(stats: GradFlowStats) -> Iterator[Finding]:
             location=Location(module=risky[name].param.module),
             evidence={"rule": shape_rule, "group": facts.group_of[name]},
         )
-
-
-def _drift_prediction(i: Ineffective, group: GroupInfo, facts: OptimizerFacts) -> dict[str, object]:
-    lr = group.lr or 0.0
-    sigma = i.noise
-    evidence: dict[str, object] = {
-        "optimizer": facts.name,
-        "rule": group.rule,
-        "lr": lr,
-        "noise_rms": sigma,
-    }
-    decays = [g.weight_decay for g in facts.groups if g.weight_decay > 0]
-    wd_ref = max(decays) if decays else 0.1
-    if group.rule == "adam" and group.betas and group.eps is not None:
-        b1, b2 = group.betas
-        damp = sigma / (sigma + group.eps)  # noise comparable to eps damps the steps
-        # Adam's step is lr * m / (sqrt(v) + eps). For noise of random sign, |m| is the
-        # RMS of an EMA of it, sqrt((1 - b1) / (1 + b1)) * sigma, while sqrt(v) ~ sigma;
-        # for noise of a consistent sign m ~ sqrt(v) and the step is the full lr.
-        expected = lr * math.sqrt((1 - b1) / (1 + b1)) * damp
-        worst = lr * damp
-        evidence.update(
-            betas=[b1, b2],
-            eps=group.eps,
-            expected_step=expected,
-            max_step=worst,
-            reset_amplification=math.sqrt(1 / (1 - b2)),
-            weight_decay_for_equilibrium=wd_ref,
-            equilibrium_if_decayed_max=worst / (wd_ref * lr) if lr else None,
-            equilibrium_if_decayed_expected=expected / (wd_ref * lr) if lr else None,
-        )
-    elif group.rule in ("rmsprop", "adagrad") and group.eps is not None:
-        worst = lr * sigma / (sigma + group.eps)
-        evidence.update(
-            eps=group.eps,
-            max_step=worst,
-            equilibrium_if_decayed_max=worst / (wd_ref * lr) if lr else None,
-        )
-    else:
-        evidence["prediction"] = (
-            f"unavailable: the update rule of {facts.name} is not known to deadweight"
-        )
-    return evidence
 
 
 @rule(
@@ -265,7 +240,13 @@ def drift_risk(stats: GradFlowStats) -> Iterator[Finding]:
     - how much larger the steps get right after an optimizer-state reset,
       `sqrt(1/(1-b2))` (4.47 for b2 = 0.95; the incident saw 5.4x);
     - where decoupled weight decay would hold it: `theta_eq = drift / (wd * lr)`,
-      not its initial value (0.0007 / (0.1 * 0.00085) = 8.2 in the incident).
+      not its initial value (0.0007 / (0.1 * 0.00085) = 8.2 in the incident);
+    - how far it gets within `drift-horizon-steps` (10k): `expected_step * horizon`.
+
+    It follows DW104's severity: only a parameter the optimizer will move by at
+    least `material-drift` (10%) of its size within the horizon is reported. An
+    exact shift redundancy (a key bias, a bias before BatchNorm) is not: nothing
+    downstream sees where it goes (DW105, info).
 
     ## Why is this bad
     With nothing pulling it back, the parameter random-walks or drifts for the whole
@@ -289,6 +270,8 @@ def drift_risk(stats: GradFlowStats) -> Iterator[Finding]:
     - `reset_amplification`: how much larger steps get after an optimizer-state reset.
     - `weight_decay_for_equilibrium`, `equilibrium_if_decayed_max`,
       `equilibrium_if_decayed_expected`: where weight decay would hold the parameter.
+    - `horizon_steps`, `param_rms`, `drift_over_horizon`, `decay_over_horizon`,
+      `material`: the move predicted within the horizon, against the parameter's size.
     - `prediction`: why there is no prediction, for an update rule deadweight does not know.
     """
     facts = stats.optimizer_facts
@@ -301,12 +284,16 @@ def drift_risk(stats: GradFlowStats) -> Iterator[Finding]:
         group = facts.groups[index]
         if group.weight_decay > 0 or group.rule == "sgd":
             continue  # decay pulls it back; plain SGD moves it by lr * noise: nothing
-        evidence = _drift_prediction(item, group, facts)
-        if "expected_step" in evidence:
+        if severity_of(item, stats) is not Severity.WARNING:
+            continue  # an exact, harmless redundancy, or a move too small within the horizon
+        evidence = movement(item, facts) or {}
+        if "reset_amplification" in evidence:
             detail = (
                 f"expect steps of about {evidence['expected_step']:.2g} (up to "
-                f"{evidence['max_step']:.2g}) per update, {evidence['reset_amplification']:.2f}x "
-                "larger right after an optimizer-state reset"
+                f"{evidence['max_step']:.2g}) per update, about "
+                f"{evidence['drift_over_horizon']:.2g} within {evidence['horizon_steps']} steps, "
+                f"{evidence['reset_amplification']:.2f}x larger right after an "
+                "optimizer-state reset"
             )
         elif "max_step" in evidence:
             detail = f"expect steps of up to {evidence['max_step']:.2g} per update"
