@@ -27,16 +27,17 @@ def test_check_on_fsdp2_confirms_the_cancelled_scalar_as_in_one_process(tmp_path
         assert _codes_and_params(res) == _codes_and_params(single)
         assert res["subject"]["distributed"]["complete"] is True
         assert res["subject"]["distributed"]["note"] is None  # the probes ran
-        # the same probes on every rank: the checked run and the x10 and x100 points
-        assert res["calls"] == single["calls"] == 3
+        # the same probes on every rank: the checked run and the x10 and x100 points;
+        # one process settles it on the op's output at x10
+        assert res["calls"] == 3 and single["calls"] == 2
         ev, ref = (
             res["evidence"]["DW104"]["params"][LAST],
             single["evidence"]["DW104"]["params"][LAST],
         )
         # FSDP2 confirms on the loss (the structure pass is off there); one process
-        # on the cancelling op's own output: both scale it x10 and x100
+        # on the cancelling op's own output
         assert ev["probe"] == "x10"
-        assert ref["probe"] == "x10, x100" and ref["confirmed"] is True
+        assert ref["probe"] in ("x10", "x10, x100") and ref["confirmed"] is True
         # scaling the scalar moved the whole batch's loss by rounding noise only
         assert ev["relative_loss_change"] < 1e-5
         assert ref["relative_loss_change"] < 1e-5
