@@ -1049,26 +1049,7 @@ def _rule_linear(ctx: _Call) -> Carrier:
 
 def _add_carriers(ctx: _Call, left: Carrier, value: Any, out_shape: Sequence[int]) -> Carrier:
     """`left` (a carrier of an output-shaped term) plus `value` (broadcast)."""
-    cb = _aligned(value, ctx.c(value), out_shape)
-    lost, partial = _merge_general([left, cb])
-    pure: dict[int, Facet] = {}
-    for e in set(left.pure) | set(cb.pure):
-        if e in lost:
-            continue
-        fa, fb = left.pure.get(e), cb.pure.get(e)
-        f: Facet | None
-        if fa is not None and fb is not None:
-            f = _union(fa, fb, tag=next(_tags)) if fa.kind == fb.kind == SHIFT else None
-        else:
-            f = fa if fa is not None else fb
-            assert f is not None
-            if f.kind == SCALE:
-                f = None
-        if f is None:
-            lost = lost | {e}
-        else:
-            pure[e] = f
-    return _finish(lost, partial, pure)
+    return _add_term(left, _aligned(value, ctx.c(value), out_shape))
 
 
 def _rule_addmm(ctx: _Call) -> Carrier:

@@ -234,74 +234,68 @@ def _invariance_findings(stats: GradFlowStats, code: str, kind: str) -> Iterator
     exact = [i for i in rest if i.cannot_learn and i.kind == "shift" and i.confirmed]
     still = [i for i in rest if i.cannot_learn and i not in exact and i.confirmed]
     unconfirmed = [i for i in rest if i.cannot_learn and not i.confirmed]
-    if free:
-        norm = "norm" if kind == "scale" else "mean"
-        yield get_rule(code).finding(
-            f"{len(free)} parameter(s) have a free {norm} ({_names(free)}): "
-            f"{_mechanism(free) or 'a normalization'} {what} it while the rest still learns, "
-            "as for a projection right before a normalization; expected in such designs.",
-            params=[i.param.name for i in free],
-            location=_location(free),
-            evidence=_evidence(free, loss, stats),
-            severity=Severity.INFO,
-            fix=f"Nothing to do if the design intends it; weight decay keeps the free {norm} bounded.",
-        )
-    if exact:
-        yield get_rule(code).finding(
-            f"{len(exact)} parameter(s) are exact redundancies ({_names(exact)}): "
-            f"{_mechanism(exact)} {what} them{_confirmation(exact[0])}. They get only rounding "
-            "noise as gradient, and nothing downstream of that op sees where they drift: "
-            "harmless, but they learn nothing.",
-            params=[i.param.name for i in exact],
-            location=_location(exact),
-            evidence=_evidence(exact, loss, stats),
-            severity=Severity.INFO,
-            fix="Drop them (bias=False on the layer that feeds the cancelling op), or keep "
+    norm = "norm" if kind == "scale" else "mean"
+    grouped: list[tuple[list[Ineffective], str, str, Severity]] = [
+        (
+            free,
+            f"have a free {norm} ({_names(free)}): {_mechanism(free) or 'a normalization'} "
+            f"{what} it while the rest still learns, as for a projection right before a "
+            "normalization; expected in such designs.",
+            f"Nothing to do if the design intends it; weight decay keeps the free {norm} bounded.",
+            Severity.INFO,
+        ),
+        (
+            exact,
+            f"are exact redundancies ({_names(exact)}): {_mechanism(exact)} {what} them"
+            f"{_confirmation(exact[0]) if exact else ''}. They get only rounding noise as "
+            "gradient, and nothing downstream of that op sees where they drift: harmless, "
+            "but they learn nothing.",
+            "Drop them (bias=False on the layer that feeds the cancelling op), or keep "
             "them fixed with `deadweight.pin(model, name)`.",
-        )
-    if still:
-        yield get_rule(code).finding(
-            f"{len(still)} parameter(s) cannot learn ({_names(still)}): {_mechanism(still)} "
-            f"{what} them{_confirmation(still[0])}; {_fate(still[0], stats)}, which is not "
-            "enough to matter.",
-            params=[i.param.name for i in still],
-            location=_location(still),
-            evidence=_evidence(still, loss, stats),
-            severity=Severity.INFO,
-            fix="Remove them, or keep them fixed with `deadweight.pin(model, name)`.",
-        )
-    if unconfirmed:
-        yield get_rule(code).finding(
-            f"{len(unconfirmed)} parameter(s) look cancelled by construction "
-            f"({_names(unconfirmed)}): {_mechanism(unconfirmed)} {what} them, but re-running "
-            "the forward did not confirm it.",
-            params=[i.param.name for i in unconfirmed],
-            location=_location(unconfirmed),
-            evidence=_evidence(unconfirmed, loss, stats),
-            severity=Severity.INFO,
-            fix="Make loss_fn re-runnable on one fixed batch so that check can confirm it.",
-        )
-    if held:
-        yield get_rule(code).finding(
-            f"{len(held)} pinned parameter(s) cannot change the loss ({_names(held)}); "
-            "the pin holds them: unchanged since pinned.",
-            params=[i.param.name for i in held],
-            location=_location(held),
-            evidence=_evidence(held, loss),
-            severity=Severity.INFO,
-            fix="Nothing to do: pinned with deadweight.pin.",
-        )
-    if slipped:
-        yield get_rule(code).finding(
-            f"{len(slipped)} pinned parameter(s) moved since they were pinned "
-            f"({_names(slipped)}): something other than the gradient changes them.",
-            params=[i.param.name for i in slipped],
-            location=_location(slipped),
-            evidence=_evidence(slipped, loss),
-            severity=Severity.WARNING,
-            fix="Keep pinned parameters out of weight decay (deadweight.param_groups after "
+            Severity.INFO,
+        ),
+        (
+            still,
+            f"cannot learn ({_names(still)}): {_mechanism(still)} {what} them"
+            f"{_confirmation(still[0]) if still else ''}; "
+            f"{_fate(still[0], stats) if still else ''}, which is not enough to matter.",
+            "Remove them, or keep them fixed with `deadweight.pin(model, name)`.",
+            Severity.INFO,
+        ),
+        (
+            unconfirmed,
+            f"look cancelled by construction ({_names(unconfirmed)}): "
+            f"{_mechanism(unconfirmed)} {what} them, but re-running the forward did not "
+            "confirm it.",
+            "Make loss_fn re-runnable on one fixed batch so that check can confirm it.",
+            Severity.INFO,
+        ),
+        (
+            held,
+            f"are pinned and cannot change the loss ({_names(held)}); the pin holds them: "
+            "unchanged since pinned.",
+            "Nothing to do: pinned with deadweight.pin.",
+            Severity.INFO,
+        ),
+        (
+            slipped,
+            f"are pinned but moved since ({_names(slipped)}): something other than the "
+            "gradient changes them.",
+            "Keep pinned parameters out of weight decay (deadweight.param_groups after "
             "pinning, see DW206) and clear their optimizer state (pin(..., optimizer=opt)).",
-        )
+            Severity.WARNING,
+        ),
+    ]
+    for items, message, fix, severity in grouped:
+        if items:
+            yield get_rule(code).finding(
+                f"{len(items)} parameter(s) {message}",
+                params=[i.param.name for i in items],
+                location=_location(items),
+                evidence=_evidence(items, loss, stats),
+                severity=severity,
+                fix=fix,
+            )
 
 
 @rule(
