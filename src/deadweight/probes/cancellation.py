@@ -756,15 +756,26 @@ def _combine_facet(
     if fa.kind != SCALE or fb.kind != SCALE:
         return None
     degree = fa.degree + fb.degree if op == "mul" else fa.degree - fb.degree
-    full = fa.full | fb.full if (fa.full is not None and fb.full is not None) else None
-    uniform = fa.uniform and fb.uniform
-    f = Facet(SCALE, full, uniform, degree, fa.approx or fb.approx)
+    f = _product(fa, fb, fa.full, fb.full, degree)
+    full, uniform = f.full, f.uniform
     if degree == _ZERO:
         whole = full is not None and (fa.full == fb.full or not fb.full or not fa.full)
         if uniform or whole:
             ctx.tracker.absorb(ctx, e, f, "hand-written normalization", full or (), whole)
             return _CANCELLED
     return f
+
+
+def _product(
+    fa: Facet,
+    fb: Facet,
+    full_a: frozenset[int] | None,
+    full_b: frozenset[int] | None,
+    degree: Fraction,
+) -> Facet:
+    """The scale facet of a product of two scaled factors (dims already mapped)."""
+    full = full_a | full_b if (full_a is not None and full_b is not None) else None
+    return Facet(SCALE, full, fa.uniform and fb.uniform, degree, fa.approx or fb.approx)
 
 
 def _union(fa: Facet, fb: Facet, tag: int = 0) -> Facet:
@@ -972,19 +983,17 @@ def _matmul_carrier(
         fa, fb = ca.pure.get(e), cb.pure.get(e)
         if fa is not None and fb is not None:
             if fa.kind == fb.kind == SCALE:
-                full_a = None if fa.full is None else a_map(fa.full)
-                full_b = None if fb.full is None else b_map(fb.full)
-                full = full_a | full_b if (full_a is not None and full_b is not None) else None
-                if full is None and not (fa.uniform and fb.uniform):
+                product = _product(
+                    fa,
+                    fb,
+                    None if fa.full is None else a_map(fa.full),
+                    None if fb.full is None else b_map(fb.full),
+                    fa.degree + fb.degree,
+                )
+                if product.full is None and not product.uniform:
                     lost = lost | {e}
                     continue
-                pure[e] = Facet(
-                    SCALE,
-                    full,
-                    fa.uniform and fb.uniform,
-                    fa.degree + fb.degree,
-                    fa.approx or fb.approx,
-                )
+                pure[e] = product
             else:
                 lost = lost | {e}
             continue
@@ -1169,14 +1178,7 @@ def _mul_term(left: Carrier, right: Carrier, right_varying: frozenset[int]) -> C
         f: Facet | None
         if fa is not None and fb is not None:
             if fa.kind == fb.kind == SCALE:
-                full = fa.full | fb.full if (fa.full is not None and fb.full is not None) else None
-                f = Facet(
-                    SCALE,
-                    full,
-                    fa.uniform and fb.uniform,
-                    fa.degree + fb.degree,
-                    fa.approx or fb.approx,
-                )
+                f = _product(fa, fb, fa.full, fb.full, fa.degree + fb.degree)
             else:
                 f = None
         elif fa is not None:
