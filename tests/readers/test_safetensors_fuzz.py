@@ -8,17 +8,15 @@ import tempfile
 from pathlib import Path
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from deadweight.readers import CheckpointError, open_checkpoint
 from deadweight.readers.safetensors_file import SAFETENSORS_DTYPES
+from tests.fuzzing import FUZZ, fuzz
 
-# database=None: no .hypothesis directory in the checkout; failures print their example anyway.
-FUZZ = settings(
-    max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
-)
+pytestmark = fuzz
 
 
 def _open_and_read(data: bytes) -> None:

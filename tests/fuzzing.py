@@ -1,0 +1,32 @@
+"""Shared settings for the fuzz suites (hypothesis) over every parser of untrusted input.
+
+CI runs a bounded number of examples per test so the suite stays short. A long run sets
+DEADWEIGHT_FUZZ_EXAMPLES, e.g. `DEADWEIGHT_FUZZ_EXAMPLES=10000 python -m pytest -m fuzz`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# 200 examples per test keeps each fuzz test at a few seconds on 2 cores.
+DEFAULT_EXAMPLES = 200
+
+
+def examples() -> int:
+    raw = os.environ.get("DEADWEIGHT_FUZZ_EXAMPLES", "")
+    return int(raw) if raw.strip() else DEFAULT_EXAMPLES
+
+
+# database=None: no .hypothesis directory in the checkout; failures print their example anyway.
+FUZZ = settings(
+    max_examples=examples(),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+# Every fuzz module sets `pytestmark = fuzz` so a long run can select them alone.
+fuzz = pytest.mark.fuzz
