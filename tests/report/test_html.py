@@ -16,7 +16,7 @@ import deadweight
 from deadweight.cli import main
 from deadweight.demos import fused_rmsnorm
 from deadweight.report import html as html_report
-from tests.report.html_inputs import LAST, checkpoint_reports, dw, incident_checkpoints
+from tests.report.html_inputs import LAST, checkpoint_reports, dw, figure, incident_checkpoints
 
 pytest.importorskip("plotly", reason="the HTML report needs deadweight[html]")
 
@@ -287,3 +287,27 @@ def test_text_from_a_saved_report_is_escaped(capsys, inputs, tmp_path):
     text = out.read_text()
     assert "<script>alert(1)" not in text
     assert "not known to this version" in text  # the unknown code's docs entry
+
+
+def test_layer_outlier_by_rms_is_plotted(tmp_path):
+    """DW402 on matrices compares RMS (its evidence says "RMS"): the bars of every layer,
+    each the tensor's RMS."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"layers.{i}.w": torch.randn(8, 8, generator=gen) * (50 if i == 3 else 1)
+               for i in range(6)}  # fmt: skip
+    path = tmp_path / "rms.safetensors"
+    save_file(tensors, str(path))
+    report = deadweight.inspect_checkpoints([str(path)])
+    (finding,) = report.by_code("DW402")
+    assert finding.evidence["statistic"] == "RMS"
+    page = html_report.render_html([html_report.Section("rms", report)])
+    (div,) = re.findall(r'data-plot="(s0-f\d+-layers)"', page)
+    (bars,) = figure(page, div)["data"]
+    assert bars["x"] == [str(i) for i in range(6)]
+    # RMS from the rows' mean and std; a sample std (n - 1) is off by at most √(64/63), 0.8%
+    rms = [float(t.square().mean().sqrt()) for t in tensors.values()]
+    assert bars["y"] == pytest.approx(rms, rel=0.02)
+    assert bars["marker"]["color"][3] == "#c62828"

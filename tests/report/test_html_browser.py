@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
+import deadweight
 from deadweight.cli import main
+from tests.report.hostile import save_hostile
 from tests.report.html_inputs import (
     DRIFT_STEPS,
     LAST,
@@ -252,5 +254,47 @@ def test_loss_curve_with_the_plateau_and_the_missing_loss_note(browser_context, 
         note = page.locator('#s0 [data-note="no-loss"]')
         assert note.count() == 1 and note.is_visible()
         assert opened.errors == []
+    finally:
+        page.close()
+
+
+def test_names_that_are_markup_stay_text_in_the_drawn_plots(browser_context, tmp_path):
+    """A tensor named `<a href=...>` or `<b>z</b>` (issue 20, row 7): plotly draws its
+    mini-HTML in titles, tick labels and legends; drawn, the name is text, no link."""
+    saves = [
+        save_hostile(tmp_path / "step-100.safetensors", 1.0, extra="removed"),
+        save_hostile(tmp_path / "step-200.safetensors", 1.5, extra="added"),
+    ]
+    files = []
+    for kind, report in {
+        "inspect": deadweight.inspect_checkpoints([saves[1]], scheme="int4"),
+        "diff": deadweight.diff_checkpoints(*saves),
+        "trend": deadweight.trend_checkpoints(saves),
+    }.items():
+        (tmp_path / f"{kind}.json").write_text(report.to_json())
+        files.append(str(tmp_path / f"{kind}.json"))
+    out = tmp_path / "hostile.html"
+    assert main(["report", *files, "-o", str(out)]) == 1
+    opened = open_offline(browser_context, out)
+    page = opened.page
+    try:
+        assert opened.errors == []
+        drawn = page.evaluate(
+            """() => ({
+              plots: document.querySelectorAll('div.js-plotly-plot').length,
+              links: Array.from(document.querySelectorAll('a'))
+                .map(a => a.getAttribute('href') || a.getAttribute('xlink:href') || '')
+                .filter(h => h.includes('evil')),
+              bold: Array.from(document.querySelectorAll('svg b, svg tspan'))
+                .filter(t => t.textContent === 'z' && t.style.fontWeight).length,
+              text: Array.from(document.querySelectorAll('svg text'))
+                .map(t => t.textContent).join('\\n'),
+            })"""
+        )
+        assert drawn["plots"] >= 4
+        assert drawn["links"] == [] and drawn["bold"] == 0
+        # readable: the name drawn as it is spelled
+        assert "<b>z</b>" in drawn["text"]
+        assert '<a href="https://evil.example/x">y</a>' in drawn["text"]
     finally:
         page.close()

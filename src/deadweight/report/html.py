@@ -27,10 +27,12 @@ import numpy as np
 from deadweight._version import __version__
 from deadweight.errors import InputError
 from deadweight.findings import Finding, Severity
+from deadweight.homologous import layer_key
 from deadweight.probes.event_log import LOG_SCHEMA_VERSION
 from deadweight.probes.watch_stats import WatchStats
 from deadweight.registry import get_rule
 from deadweight.report import SCHEMA_VERSION, Report, loss_curve
+from deadweight.report.display import html_text, plotly_text
 from deadweight.rules._wording import name_list
 
 # 2000 points per trace: a 1000-pixel-wide plot shows no more, and 60 such plots
@@ -101,7 +103,7 @@ def render_html(sections: Sequence[Section], notes: Sequence[str] = ()) -> str:
     body.insert(1, _findings_table(rows, codes))
     body.append(_rule_docs(codes))
     return _PAGE.format(
-        title=html.escape("deadweight report: " + ", ".join(s.label for s in sections)),
+        title=html_text("deadweight report: " + ", ".join(s.label for s in sections)),
         style=_STYLE,
         plotly=get_plotlyjs(),
         body="\n".join(body),
@@ -126,13 +128,13 @@ def _summary(sections: Sequence[Section], notes: Sequence[str]) -> str:
         c = section.report.counts()
         found = ", ".join(f"{n} {sev}" for sev, n in reversed(list(c.items())) if n) or "clean"
         items.append(
-            f"<li><b>{html.escape(section.label)}</b> — {html.escape(section.report.kind)}"
-            f"{html.escape(_subject_line(section))}: {found}</li>"
+            f"<li><b>{html_text(section.label)}</b> — {html_text(section.report.kind)}"
+            f"{html_text(_subject_line(section))}: {found}</li>"
         )
     problems = [*notes, *(f"{s.label}: {n}" for s in sections for n in s.notes)]
     problem_html = (
         '<div class="problems"><b>Read with problems</b><ul>'
-        + "".join(f"<li>{html.escape(p)}</li>" for p in problems)
+        + "".join(f"<li>{html_text(p)}</li>" for p in problems)
         + "</ul></div>"
         if problems
         else ""
@@ -182,13 +184,13 @@ def _finding_row(finding: Finding, label: str, anchor: str | None) -> str:
             f"<details><summary>data</summary><pre>{_evidence_text(finding)}</pre></details>"
         )
     evidence = evidence or "—"
-    code = html.escape(finding.code)  # a saved report is text from elsewhere
+    code = html_text(finding.code)  # a saved report is text from elsewhere
     return (
         f'<tr data-severity="{sev}" data-code="{code}">'
         f'<td class="sev-{sev}">{sev}</td>'
-        f'<td><a href="#rule-{code}">{code}</a> {html.escape(finding.name)}</td>'
-        f"<td>{html.escape(finding.message)}</td><td>{html.escape(params)}</td>"
-        f"<td>{html.escape(label)}</td><td>{evidence}</td></tr>"
+        f'<td><a href="#rule-{code}">{code}</a> {html_text(finding.name)}</td>'
+        f"<td>{html_text(finding.message, keep_newlines=True)}</td><td>{html_text(params)}</td>"
+        f"<td>{html_text(label)}</td><td>{evidence}</td></tr>"
     )
 
 
@@ -203,7 +205,7 @@ def _evidence_text(finding: Finding) -> str:
 def _findings_table(rows: list[str], codes: set[str]) -> str:
     sev_options = "".join(f'<option value="{s.value}">{s.value}</option>' for s in Severity)
     code_options = "".join(
-        f'<option value="{html.escape(c)}">{html.escape(c)}</option>' for c in sorted(codes)
+        f'<option value="{html_text(c)}">{html_text(c)}</option>' for c in sorted(codes)
     )
     body = "".join(rows) or '<tr class="empty"><td colspan="6">no findings</td></tr>'
     return (
@@ -221,7 +223,7 @@ def _findings_table(rows: list[str], codes: set[str]) -> str:
 def _rule_docs(codes: Iterable[str]) -> str:
     parts = ['<section id="rules"><h2>Rules</h2>']
     for raw in sorted(codes):
-        code = html.escape(raw)
+        code = html_text(raw)
         try:
             rule = get_rule(raw)
         except (KeyError, ValueError):  # a saved report from a newer deadweight
@@ -265,8 +267,13 @@ class _Page:
     def figure_html(self, figure: Any, div_id: str, title: str, height: int = 360) -> str:
         import plotly.io as pio
 
+        # plotly reads its own mini-HTML in every string it draws (a tensor named
+        # `<a href=...>` would be a live link): the title, like every name, as text.
         figure.update_layout(
-            title=title, height=height, margin={"l": 60, "r": 20, "t": 50, "b": 40}, template="none"
+            title=plotly_text(title),
+            height=height,
+            margin={"l": 60, "r": 20, "t": 50, "b": 40},
+            template="none",
         )
         self.count += 1
         return (
@@ -298,7 +305,7 @@ class _Page:
         parts.extend(self._per_parameter(prefix, section.report, plots))
         if not parts:
             parts.append("<p>No per-step or per-tensor data in this input to plot.</p>")
-        title = f"{html.escape(section.label)} ({html.escape(kind)})"
+        title = f"{html_text(section.label)} ({html_text(kind)})"
         plots.html = (
             f'<section class="input" id="{prefix}"><h2>{title}</h2>{"".join(parts)}</section>'
         )
@@ -340,7 +347,7 @@ class _Page:
         if rest:
             out.append(
                 f'<p class="note">{len(rest)} more flagged parameters have no plot here '
-                f"(the first {MAX_TRAJECTORIES} do): {html.escape(', '.join(rest[:50]))}"
+                f"(the first {MAX_TRAJECTORIES} do): {html_text(', '.join(rest[:50]))}"
                 f"{' …' if len(rest) > 50 else ''}</p>"
             )
         return out
@@ -365,7 +372,7 @@ class _Page:
         if curve.nonfinite:
             notes.append(f"{curve.nonfinite} loss values were NaN or infinite and are left out.")
         if not len(curve.steps):
-            return "".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)
+            return "".join(f'<p class="note">{html_text(n)}</p>' for n in notes)
         never_moved = [f for f in findings if f.code == "DW301"]
         plateau = loss_curve.find_plateau(curve) if never_moved else None
         reset_steps = sorted({r.step for r in stats.resets})
@@ -416,7 +423,7 @@ class _Page:
         figure.update_xaxes(title="optimizer step")
         div = f"{prefix}-loss"
         return self.figure_html(figure, div, title) + "".join(
-            f'<p class="note">{html.escape(n)}</p>' for n in notes
+            f'<p class="note">{html_text(n)}</p>' for n in notes
         )
 
     def _sibling_values(self, prefix: str, report: Report, plots: _Plots) -> list[str]:
@@ -576,13 +583,13 @@ class _Page:
             log_axis = all(g > 0 for _, g, _ in rows)
             figure = self.go.Figure(
                 self.go.Bar(
-                    y=[n for n, _, _ in rows],
+                    y=[plotly_text(n) for n, _, _ in rows],
                     x=[g for _, g, _ in rows],
                     orientation="h",
                     marker={"color": _SEVERITY_COLOUR[finding.severity.value]},
                     text=[f"{g:.2g}" for _, g, _ in rows],
                     textposition="outside",
-                    hovertext=[f"‖θ‖ {pn}" for _, _, pn in rows],
+                    hovertext=[plotly_text(f"‖θ‖ {pn}") for _, _, pn in rows],
                     name="‖grad‖",
                 )
             )
@@ -598,7 +605,7 @@ class _Page:
         colours = ["#c62828" if n in flagged else "#90a4ae" for n in names]
         ys = [v if isinstance(v, (int, float)) and math.isfinite(v) else None for v in
               (values[n] for n in names)]  # fmt: skip
-        labels = [_layer_label(n) for n in names]
+        labels = [plotly_text(_layer_label(n)) for n in names]
         figure = self.go.Figure(
             self.go.Bar(
                 x=labels,
@@ -609,7 +616,7 @@ class _Page:
                     for n, v in zip(names, ys, strict=True)
                 ],
                 textposition="outside",
-                hovertext=names,
+                hovertext=[plotly_text(n) for n in names],
             )
         )
         figure.update_xaxes(type="category", title="layer")
@@ -656,7 +663,7 @@ class _Page:
             div = f"{prefix}-bits-{c}"
             figure = self.go.Figure(
                 self.go.Bar(
-                    y=[n for n, _ in shown],
+                    y=[plotly_text(n) for n, _ in shown],
                     x=[b for _, b in shown],
                     orientation="h",
                     marker={"color": ["#c62828" if n in flagged else "#90a4ae" for n, _ in shown]},
@@ -680,7 +687,7 @@ class _Page:
             div = f"{prefix}-movers"
             figure = self.go.Figure(
                 self.go.Bar(
-                    y=[m["name"] for m in movers],
+                    y=[plotly_text(m["name"]) for m in movers],
                     x=[m["relative_change"] for m in movers],
                     orientation="h",
                     marker={"color": "#1565c0"},
@@ -706,7 +713,9 @@ class _Page:
         x = [st if st is not None else i for i, st in enumerate(steps)]
         figure = self.go.Figure()
         for name in names[:MAX_TRAJECTORIES]:
-            figure.add_trace(self.go.Scatter(x=x, y=values[name], name=name, mode="lines+markers"))
+            figure.add_trace(
+                self.go.Scatter(x=x, y=values[name], name=plotly_text(name), mode="lines+markers")
+            )
         figure.update_xaxes(title="step (from the file names)")
         div = f"{prefix}-trend"
         out.append(self.figure_html(figure, div, "single-element tensors over the checkpoints"))
@@ -767,12 +776,14 @@ def downsample(y: np.ndarray, steps: np.ndarray, keep_steps: Iterable[int] = ())
 
 
 def _homologous(rows: list[dict[str, Any]], template: str, statistic: str) -> dict[str, float]:
+    """The rows of the layers `template` stands for, by the key the rule grouped them by:
+    no regex made of a name (a name of literal `{}`s once made one that never finished)."""
     if "{}" not in template:
         return {}
-    pattern = re.compile("^" + re.escape(template).replace(r"\{\}", r"\d+") + "$")
     out = {}
     for row in rows:
-        if not pattern.match(str(row.get("name"))) or not row.get("analysed"):
+        key = layer_key(str(row.get("name")))
+        if key is None or key[0] != template or not row.get("analysed"):
             continue
         value = _statistic(row, statistic)
         if value is not None:
@@ -783,7 +794,7 @@ def _homologous(rows: list[dict[str, Any]], template: str, statistic: str) -> di
 def _statistic(row: dict[str, Any], statistic: str) -> float | None:
     if statistic == "value":
         return row.get("min") if row.get("numel") == 1 else None
-    if statistic == "rms":
+    if statistic.lower() == "rms":  # DW402 writes "RMS"
         mean, std = row.get("mean"), row.get("std")
         if isinstance(mean, (int, float)) and isinstance(std, (int, float)):
             return math.sqrt(mean * mean + std * std)

@@ -7,13 +7,13 @@ import re
 from collections import defaultdict
 
 from rich.console import Console, Group
-from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 from deadweight.findings import Finding, Severity
 from deadweight.report import Report
+from deadweight.report.display import safe_text
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 _MAX_NAMES = 8
@@ -33,12 +33,15 @@ def render(report: Report, console: Console | None = None) -> None:
 
 
 def diagnostic_line(finding: Finding) -> Text:
-    """`path:line:col: DW501 forward-gradient-cut: message`, one line."""
+    """`path:line:col: DW501 forward-gradient-cut: message`, one line.
+
+    Every part is shown as text (`safe_text`): a file name or a saved report can hold
+    markup or escape sequences."""
     loc = finding.location
     assert loc is not None
-    text = Text(f"{loc.file}:{loc.line}:{loc.column}: ", style="bold")
-    text.append(finding.code, style=_STYLE[finding.severity])
-    text.append(f" {finding.name}: {finding.message}")
+    text = Text(safe_text(f"{loc.file}:{loc.line}:{loc.column}: "), style="bold")
+    text.append(safe_text(finding.code), style=_STYLE[finding.severity])
+    text.append(safe_text(f" {finding.name}: {finding.message}"))
     return text
 
 
@@ -73,7 +76,7 @@ def _header(report: Report) -> Text:
         parts.append(f"loss {subject['loss']:.6g}")
     if subject.get("optimizer"):
         parts.append(f"optimizer {subject['optimizer']}")
-    return Text(" · ".join(parts), style="bold")
+    return Text(safe_text(" · ".join(parts)), style="bold")
 
 
 def _finding_panel(finding: Finding) -> Panel:
@@ -81,7 +84,7 @@ def _finding_panel(finding: Finding) -> Panel:
     table = Table.grid(padding=(0, 1))
     table.add_column(style="dim", no_wrap=True)
     table.add_column()
-    table.add_row("", _folding(finding.message))
+    table.add_row("", _folding(finding.message, keep_newlines=True))
     if finding.location and str(finding.location):
         table.add_row("where", _folding(str(finding.location)))
     if finding.params:
@@ -90,14 +93,17 @@ def _finding_panel(finding: Finding) -> Panel:
     if evidence:
         table.add_row("evidence", _folding(evidence))
     if finding.fix:
-        table.add_row("fix", _folding(finding.fix))
-    title = f"[{style}]{finding.severity.value}[/] {finding.code} {escape(finding.name)}"
+        table.add_row("fix", _folding(finding.fix, keep_newlines=True))
+    title = Text.assemble(
+        (finding.severity.value, style), safe_text(f" {finding.code} {finding.name}")
+    )
     return Panel(Group(table), title=title, title_align="left", border_style=style)
 
 
-def _folding(text: str) -> Text:
-    # Long paths have no spaces to wrap at: fold them rather than cut them off.
-    return Text(text, overflow="fold")
+def _folding(text: str, *, keep_newlines: bool = False) -> Text:
+    # Long paths have no spaces to wrap at: fold them rather than cut them off. A Text is
+    # never read as markup; safe_text shows the control characters of a name.
+    return Text(safe_text(text, keep_newlines=keep_newlines), overflow="fold")
 
 
 def _evidence_line(finding: Finding) -> str:
@@ -133,7 +139,7 @@ def _footer(report: Report) -> Text:
         f"{e.get('message')}"
         for e in report.subject.get("detector_errors") or []
     ]
-    prefix = "".join(n + "\n" for n in notes)
+    prefix = "".join(safe_text(n) + "\n" for n in notes)
     if not report.findings:
         return Text(prefix + "no findings", style="green")
     parts = [
