@@ -5,7 +5,9 @@
     report = deadweight.trend_checkpoints(sorted(glob.glob("ckpt/step-*.safetensors")))
 
 Files that cannot be read are listed in `report.subject["errors"]`; the others are
-still analysed. Nothing is ever written next to the checkpoints.
+still analysed. `report.subject["warnings"]` says what the readers did that the user
+should know: a pickle run under `unsafe_pickle`, a tensor listed but not measured.
+Nothing is ever written next to the checkpoints.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from deadweight.probes.checkpoint_scan import (
     Progress,
     TrendStats,
 )
+from deadweight.readers.notes import collecting_notes
 from deadweight.registry import Selection, rules_consuming
 from deadweight.report import Report
 from deadweight.thresholds import Thresholds, current
@@ -59,9 +62,10 @@ def inspect_checkpoints(
         scheme = current().quantization_scheme
     if scheme == "none":
         scheme = None
-    stats = scan.inspect_checkpoints(
-        paths, scheme=scheme, unsafe_pickle=unsafe_pickle, progress=progress, threads=threads
-    )
+    with collecting_notes() as notes:  # what readers want said: pickles run, tensors skipped
+        stats = scan.inspect_checkpoints(
+            paths, scheme=scheme, unsafe_pickle=unsafe_pickle, progress=progress, threads=threads
+        )
     subject = {
         "checkpoints": [s.path for s in stats.scans],
         "scheme": stats.scheme,
@@ -90,6 +94,7 @@ def inspect_checkpoints(
             if s.quant
         },
         "errors": stats.errors,
+        "warnings": notes,
     }
     return _judge("inspect", stats, InspectStats, subject, select, ignore)
 
@@ -108,7 +113,8 @@ def diff_checkpoints(
 ) -> Report:
     """Tensors bitwise unchanged between two checkpoints (DW401), the top movers, and
     tensors added, removed or reshaped."""
-    stats = scan.diff_checkpoints(a, b, unsafe_pickle=unsafe_pickle)
+    with collecting_notes() as notes:
+        stats = scan.diff_checkpoints(a, b, unsafe_pickle=unsafe_pickle)
     movers = sorted(
         (d for d in stats.tensors.values() if not d.unchanged), key=lambda d: -d.relative_change
     )
@@ -131,6 +137,7 @@ def diff_checkpoints(
         "retyped": [{"name": n, "a": ta, "b": tb} for n, ta, tb in stats.retyped],
         "not_compared": stats.listed_only,
         "errors": stats.errors,
+        "warnings": notes,
     }
     return _judge("diff", stats, DiffStats, subject, select, ignore)
 
@@ -146,11 +153,13 @@ def trend_checkpoints(
     thresholds: Thresholds | Mapping[str, Any] | None = None,
 ) -> Report:
     """Single-element tensors across a series of checkpoints ordered by step (DW405)."""
-    stats = scan.trend_checkpoints(paths, unsafe_pickle=unsafe_pickle)
+    with collecting_notes() as notes:
+        stats = scan.trend_checkpoints(paths, unsafe_pickle=unsafe_pickle)
     subject = {
         "checkpoints": stats.paths,
         "steps": stats.steps,
         "values": stats.values,
         "errors": stats.errors,
+        "warnings": notes,
     }
     return _judge("trend", stats, TrendStats, subject, select, ignore)

@@ -210,3 +210,84 @@ def test_unsafe_pickle_is_opt_in(tmp_path: Path) -> None:
     assert allowed.returncode == 0, allowed.stderr
     rows = json.loads(allowed.stdout)["subject"]["tensors"][str(path)]
     assert [r["name"] for r in rows] == ["model.w"]
+
+
+def _npz_claiming(path: Path, shape: str) -> Path:
+    """An .npz whose one member's .npy header claims `shape` over 16 bytes of data."""
+    import struct
+    import zipfile
+
+    text = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}".encode()
+    text += b" " * (63 - (10 + len(text)) % 64) + b"\n"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(
+            "w.npy", b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text + bytes(16)
+        )
+    return path
+
+
+def _bad_inputs(tmp_path: Path) -> list[Path]:
+    """One of every kind of bad input issue 20 reported, each a separate file."""
+    import struct
+
+    bad: list[Path] = []
+    for suffix in (".safetensors", ".npz", ".index.json", ".pt"):
+        fifo = tmp_path / f"fifo{suffix}"
+        os.mkfifo(fifo)  # hung forever, waiting for a writer
+        bad.append(fifo)
+    for suffix in (".npz", ".index.json"):
+        zero = tmp_path / f"zero{suffix}"
+        zero.symlink_to("/dev/zero")  # grew without bound
+        bad.append(zero)
+    for name, shape in (
+        ("neg", "(-5, 3)"),
+        ("huge", f"({2**40}, {2**40})"),
+        ("over", f"({10**30},)"),
+    ):
+        bad.append(_npz_claiming(tmp_path / f"{name}.npz", shape))  # tracebacks, or exit 2 unnamed
+    digits = tmp_path / "digits.safetensors"
+    header = (
+        b'{"x":{"dtype":"F32","shape":['
+        + b",".join([b"9" * 4000] * 1000)
+        + b'],"data_offsets":[0,4]}}'
+    )
+    digits.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))  # minutes of CPU
+    bad.append(digits)
+    nested = tmp_path / "nested.safetensors"
+    header = b'{"x":{"dtype":"F32","shape":[' + b"{}," * 1_000_000 + b'{}],"data_offsets":[0,4]}}'
+    nested.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))  # 30x its size
+    bad.append(nested)
+    index = tmp_path / "self.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "self.index.json"}}))  # a 12 KB error
+    bad.append(index)
+    return bad
+
+
+def test_inspect_names_every_bad_file_once_and_reports_the_good_one(tmp_path: Path) -> None:
+    good = tmp_path / "good" / "model.safetensors"
+    good.parent.mkdir()
+    save_file({"layers.0.mlp.weight": torch.randn(8, 8)}, good)
+    bad = _bad_inputs(tmp_path)
+    result = dw("inspect", good, *bad, "--scheme", "none")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "layers.0.mlp.weight" in result.stdout  # the good file's table
+    errors = [line for line in result.stderr.splitlines() if line.startswith("deadweight: error: ")]
+    for path in bad:
+        named = [line for line in errors if line.startswith(f"deadweight: error: {path}: ")]
+        assert len(named) == 1, (path, errors)
+        assert len(named[0]) < 500, named[0]
+    assert len(errors) == len(bad)
+
+
+def test_a_glob_and_a_directory_holding_fifos_do_not_hang(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    save_file({"w": torch.randn(4, 4)}, run / "step-1.safetensors")
+    os.mkfifo(run / "step-2.safetensors")
+    os.mkfifo(run / "step-3.npz")
+    for inputs in ([run], [str(run / "step-*")]):
+        result = dw("trend", *inputs)  # TIMEOUT guards a hang
+        assert "Traceback" not in result.stderr
+        assert result.returncode in (0, 2), result.stderr
+        assert "step-1.safetensors" not in result.stderr

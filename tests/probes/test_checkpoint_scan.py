@@ -5,12 +5,14 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from deadweight.probes import checkpoint_scan
+from deadweight.readers.base import GuardedCheckpoint
 
 
 @pytest.fixture
@@ -74,3 +76,55 @@ def test_an_error_inside_still_restores_the_collector(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="threads"):
         checkpoint_scan.inspect_checkpoints([str(tmp_path / "x.safetensors")], threads=0)
     assert gc.isenabled()
+
+
+class _TornDown(BaseException):
+    """Like torch.distributed.checkpoint's CheckpointException: not an Exception."""
+
+
+@pytest.mark.parametrize(
+    "exc", [ValueError("negative dimensions are not allowed"), RecursionError(), _TornDown("x")]
+)
+def test_what_a_scan_raises_is_that_files_error(
+    pair: tuple[str, str], exc: BaseException, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad, good = pair
+    real = checkpoint_scan.scan_checkpoint
+
+    def scan(ckpt: Any, *args: Any) -> Any:
+        if ckpt.path == bad:
+            raise exc
+        return real(ckpt, *args)
+
+    monkeypatch.setattr(checkpoint_scan, "scan_checkpoint", scan)
+    stats = checkpoint_scan.inspect_checkpoints([bad, good], scheme=None)
+    assert [s.path for s in stats.scans] == [good]
+    assert len(stats.errors) == 1 and stats.errors[0].startswith(f"{bad}: ")
+
+
+def test_what_a_comparison_raises_is_an_error_of_the_diff(
+    pair: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def compare(*args: Any) -> Any:
+        raise MemoryError
+
+    monkeypatch.setattr(checkpoint_scan, "_compare", compare)
+    stats = checkpoint_scan.diff_checkpoints(*pair)
+    assert len(stats.errors) == 1 and pair[0] in stats.errors[0] and pair[1] in stats.errors[0]
+
+
+def test_what_reading_a_trend_raises_is_that_files_error(
+    pair: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad, good = pair
+    real = GuardedCheckpoint.entries
+
+    def entries(self: GuardedCheckpoint) -> Any:
+        if self.path == bad:
+            raise _TornDown("rank 1 failed")
+        return real(self)
+
+    monkeypatch.setattr(GuardedCheckpoint, "entries", entries)
+    stats = checkpoint_scan.trend_checkpoints([bad, good])
+    assert stats.values["layers.0.s"] == [None, 2.0]
+    assert len(stats.errors) == 1 and stats.errors[0].startswith(f"{bad}: ")

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from deadweight.readers import CheckpointError, open_checkpoint
 from deadweight.readers.safetensors_file import HUGE_PAGE
+from tests.readers.bounded import run_bounded
 
 ALL_DTYPES = [
     torch.float64,
@@ -306,3 +307,101 @@ def test_droppable_spans_whole_huge_pages_only(tmp_path: Path) -> None:
         copy = chunk[start : start + 8 * mb].copy()
         assert ckpt.droppable(entry, copy.ctypes.data, copy.nbytes) is None
         del chunk
+
+
+# Hostile headers: time and memory follow the bytes stored, never what a header claims.
+
+
+def _header_file(path: Path, parts: list[bytes], data: bytes = b"") -> str:
+    """A safetensors file whose header is the concatenation of `parts`, written piece by
+    piece (a 96 MB header built as one list of small bytes would take gigabytes here)."""
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", sum(map(len, parts))))
+        for part in parts:
+            fh.write(part)
+        fh.write(data)
+    return str(path)
+
+
+def _members(fmt: bytes, n: int, per_part: int = 100_000) -> list[bytes]:
+    """`fmt % i` for i < n joined by commas, in parts of `per_part` members."""
+    parts = []
+    for start in range(0, n, per_part):
+        stop = min(n, start + per_part)
+        parts.append((b"," if start else b"") + b",".join(fmt % i for i in range(start, stop)))
+    return parts
+
+
+@pytest.mark.parametrize("digits", [4000, 21])
+def test_an_integer_of_more_than_20_digits_is_refused(tmp_path: Path, digits: int) -> None:
+    # The reported case, 1000 integers of 4000 digits (4 MB, under Python's 4300-digit
+    # limit), took minutes to multiply out; any integer over 2**64's 20 digits is refused.
+    count = 1000 if digits == 4000 else 1
+    shape = b",".join([b"9" * digits] * count)
+    header = b'{"x":{"dtype":"F32","shape":[' + shape + b'],"data_offsets":[0,4]}}'
+    outcome = run_bounded(_header_file(tmp_path / "d.safetensors", [header], bytes(4)))
+    assert outcome.other is None and outcome.error is not None
+    assert len(outcome.error) < 1000
+    if count == 1:
+        assert "x: an integer literal of 21 digits" in outcome.error
+
+
+def test_a_shape_is_multiplied_out_only_while_it_could_fit(tmp_path: Path) -> None:
+    shape = b",".join([b"2"] * 1000)
+    header = b'{"x":{"dtype":"F32","shape":[' + shape + b'],"data_offsets":[0,4]}}'
+    message = _problem(_header_file(tmp_path / "twos.safetensors", [header], bytes(4)))
+    assert "needs more than the 4-byte data section holds" in message
+    assert len(message) < 1000  # the shape is quoted cut short, not in full
+
+
+def test_a_million_twos_take_no_time(tmp_path: Path) -> None:
+    # 2 MB of twos: their product took minutes (quadratic in its 2 million bits).
+    header = b'{"x":{"dtype":"F32","shape":[' + b",".join([b"2"] * 1_000_000)
+    path = _header_file(tmp_path / "t.safetensors", [header, b'],"data_offsets":[0,4]}}'])
+    outcome = run_bounded(path, timeout=60)
+    assert outcome.other is None and outcome.error is not None
+
+
+_HEADERS = {
+    # json.loads made 2.8 GB of Python objects of this one.
+    "objects in a shape": [b'{"x":{"dtype":"F32","shape":[', b"{}," * 31_000_000, b"{}]}}"],
+    # 5.6 GB, with a 96 MB error message.
+    "tiny top-level entries": [b"{", *_members(b'"%x":{}', 8_000_000), b"}"],
+    "tiny metadata pairs": [b'{"__metadata__":{', *_members(b'"%x":""', 8_000_000), b"}}"],
+}
+
+
+@pytest.mark.parametrize("kind", list(_HEADERS))
+def test_a_96_mb_header_of_tiny_json_values_takes_bounded_memory(tmp_path: Path, kind: str) -> None:
+    # Each entry is now decoded on its own (at most 64 KiB of it), metadata is validated
+    # without being kept, and reading stops after 20 problems.
+    parts = _HEADERS[kind]
+    assert 90e6 < sum(map(len, parts)) < 100e6  # just under safetensors' 100 MB limit
+    path = _header_file(tmp_path / "tiny.safetensors", parts)
+    # Reading 96 MB and decoding it to text takes about 300 MB; the old parser ran out of
+    # the 2 GB of address space given past the imports.
+    outcome = run_bounded(path, timeout=300, memory=2 << 30)
+    assert outcome.other is None, outcome.other
+    assert outcome.maxrss_mb < 700
+    if kind != "tiny metadata pairs":  # a valid file of no tensors
+        assert outcome.error is not None and len(outcome.error) < 5000
+
+
+def test_metadata_is_decoded_when_asked_for(tmp_path: Path) -> None:
+    path = str(tmp_path / "m.safetensors")
+    save_file({"a": torch.ones(1)}, path, metadata={"format": "pt", "note": "x" * 1000})
+    with open_checkpoint(path) as ckpt:
+        assert ckpt.metadata == {"format": "pt", "note": "x" * 1000}  # type: ignore[attr-defined]
+
+
+def test_a_nested_header_value_is_refused_with_one_line(tmp_path: Path) -> None:
+    nested = b'{"x":{"dtype":"F32","shape":[[1]],"data_offsets":[0,4]}}'
+    message = _problem(_header_file(tmp_path / "n.safetensors", [nested], bytes(4)))
+    assert "nests objects or lists" in message and "not a safetensors header" in message
+
+
+def test_many_broken_entries_list_twenty_and_stop(tmp_path: Path) -> None:
+    body = json.dumps({f"t{i}": {"dtype": "F7"} for i in range(10_000)}).encode()
+    message = _problem(_header_file(tmp_path / "many.safetensors", [body]))
+    assert message.count("unknown dtype") == 7  # three problems each, twenty listed
+    assert message.endswith("and more (the header was read no further)")

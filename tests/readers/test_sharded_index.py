@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deadweight.readers import CheckpointError, open_checkpoint
+from tests.readers.bounded import run_bounded
 
 
 def _sharded(tmp_path: Path, fmt: str = "safetensors") -> tuple[str, dict[str, torch.Tensor]]:
@@ -89,3 +90,38 @@ def test_broken_shard_and_bad_index(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"weight_map": {"a": "../../etc/passwd"}}))
     with pytest.raises(CheckpointError, match="outside the index's directory"):
         open_checkpoint(str(bad))
+
+
+@pytest.mark.parametrize("target", ["self", "other"])
+def test_an_index_naming_an_index_is_one_short_error(tmp_path: Path, target: str) -> None:
+    # It recursed, each level quoting the one below: a 12 KB error repeating itself.
+    index = tmp_path / "a.index.json"
+    other = tmp_path / "b.index.json"
+    shard = index.name if target == "self" else other.name
+    index.write_text(json.dumps({"weight_map": {"w": shard}}))
+    other.write_text(json.dumps({"weight_map": {"w": index.name}}))
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(str(index))
+    message = str(info.value)
+    assert message == (
+        f"{index}: shard {shard} is itself an index (.json), not a weight file "
+        "(1 tensor(s) mapped to it, e.g. w)"
+    )
+
+
+def test_an_index_of_a_million_empty_objects_is_refused_before_decoding(
+    tmp_path: Path,
+) -> None:
+    index = tmp_path / "big.index.json"
+    index.write_bytes(b'{"metadata": [' + b"{}," * 20_000_000 + b'{}], "weight_map": {}}')
+    outcome = run_bounded(str(index), timeout=120, memory=1 << 30)  # json.loads: 1.5 GB
+    assert outcome.other is None, outcome.other
+    assert outcome.error is not None and "JSON objects and lists" in outcome.error
+    assert outcome.maxrss_mb < 500
+
+
+def test_an_index_with_an_absurd_integer_is_refused(tmp_path: Path) -> None:
+    index = tmp_path / "n.index.json"
+    index.write_text('{"metadata": {"total_size": ' + "9" * 4000 + '}, "weight_map": {}}')
+    with pytest.raises(CheckpointError, match="4000 digits"):
+        open_checkpoint(str(index))

@@ -13,12 +13,16 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from deadweight.cli._common import add_html_option, add_report_options, emit
 from deadweight.readers import find_checkpoints
+from deadweight.readers.base import PASS_THROUGH, reading_error
 from deadweight.report import Report
+from deadweight.report.display import plain, safe_text
 
 _TABLE_ROWS = 60  # per checkpoint in the terminal; --format json has every tensor
 
@@ -27,15 +31,30 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--unsafe-pickle",
         action="store_true",
-        help="allow torch checkpoints that need arbitrary code to load (runs their pickle)",
+        help="allow torch checkpoints that need arbitrary code to load: runs the pickle of "
+        "each file the safe loader refuses, and names each such file in a warning",
     )
     add_report_options(parser)
     add_html_option(parser)
 
 
 def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
-    paths, errors = find_checkpoints(inputs)
-    return paths, [str(e) for e in errors]
+    """The checkpoints the inputs name, and an error for each input that names none; one
+    input that cannot even be expanded is that input's error, the others still count."""
+    paths: list[str] = []
+    seen: set[str] = set()
+    errors: list[str] = []
+    for raw in inputs:
+        try:
+            found, failed = find_checkpoints([raw])
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
+            found, failed = [], [reading_error(raw, exc)]
+        paths.extend(p for p in found if p not in seen)
+        seen.update(found)
+        errors.extend(str(e) for e in failed)
+    return paths, errors
 
 
 # Subject keys the generic text header would print raw: the optimizer summary as a dict
@@ -55,7 +74,12 @@ def finish(
         code = emit(dataclasses.replace(report, subject=subject), args, html_report=report)
     else:
         code = emit(report, args)
-    for error in [*errors, *report.subject.get("errors", [])]:
+    # The readers' notes: each file whose pickle --unsafe-pickle ran, each tensor not measured.
+    for warning in report.subject.get("warnings", []):
+        print(f"deadweight: warning: {warning}", file=sys.stderr)
+    # Each once, on one line: a file named twice (a glob and its path) is one error.
+    every = [*errors, *report.subject.get("errors", [])]
+    for error in dict.fromkeys(" ".join(e.splitlines()) for e in every):
         print(f"deadweight: error: {error}", file=sys.stderr)
     return 2 if errors or report.subject.get("errors") else code
 
@@ -76,7 +100,8 @@ class progress_bar:
         bar = self._bar
 
         def advance(name: str, nbytes: int) -> None:
-            bar.update(task, advance=nbytes, description=name[-40:])
+            # the description is rich markup: a file name is shown as text
+            bar.update(task, advance=nbytes, description=escape(safe_text(name[-40:])))
 
         return advance
 
@@ -95,7 +120,7 @@ def tensor_table(report: Report) -> Table | None:
         table.add_column(column, justify="left" if column == "dtype" else "right", no_wrap=True)
     for path, rows in tensors.items():
         if len(tensors) > 1:
-            table.add_row(f"[bold]{path}[/]")
+            table.add_row(plain(path, "bold"))
         for row in rows[:_TABLE_ROWS]:
             if row["analysed"]:
                 numbers = [f"{row[k]:.3g}" for k in ("min", "max", "mean", "std")]
@@ -103,9 +128,9 @@ def tensor_table(report: Report) -> Table | None:
             else:
                 numbers, counts = ["·"] * 4, ["·", "·"]
             table.add_row(
-                row["name"],
-                "×".join(map(str, row["shape"])) or "scalar",
-                row["dtype"],
+                plain(row["name"]),
+                plain("×".join(map(str, row["shape"])) or "scalar"),
+                plain(row["dtype"]),
                 *numbers,
                 *counts,
             )
@@ -121,19 +146,26 @@ def diff_table(report: Report) -> Table | None:
     table.add_column("relative change", justify="right")
     table.add_column("max |change|", justify="right")
     for row in s["top_movers"]:
-        table.add_row(row["name"], f"{row['relative_change']:.3g}", f"{row['max_abs_change']:.3g}")
+        table.add_row(
+            plain(row["name"]), f"{row['relative_change']:.3g}", f"{row['max_abs_change']:.3g}"
+        )
     for key in ("added", "removed"):
         if s[key]:
             table.add_row(
-                f"[bold]{key}[/]: {', '.join(s[key][:10])}" + (" …" if len(s[key]) > 10 else "")
+                _labelled(key, ", ".join(s[key][:10]) + (" …" if len(s[key]) > 10 else ""))
             )
     for row in s["reshaped"]:
-        table.add_row(f"[bold]reshaped[/]: {row['name']} {row['a']} -> {row['b']}")
+        table.add_row(_labelled("reshaped", f"{row['name']} {row['a']} -> {row['b']}"))
     for row in s.get("retyped", []):
-        table.add_row(f"[bold]retyped[/]: {row['name']} {row['a']} -> {row['b']}")
+        table.add_row(_labelled("retyped", f"{row['name']} {row['a']} -> {row['b']}"))
     if s.get("not_compared"):
-        table.add_row(f"[bold]not compared[/] (int/bool): {_listing(s['not_compared'])}")
+        table.add_row(_labelled("not compared", f"(int/bool): {_listing(s['not_compared'])}", ""))
     return table
+
+
+def _labelled(label: str, names: str, sep: str = ":") -> Text:
+    """`label: names`, the label bold, the names (data from the files) shown as text."""
+    return Text.assemble((label, "bold"), f"{sep} ", plain(names))
 
 
 def _listing(names: list[str], n: int = 10) -> str:
@@ -150,12 +182,12 @@ def optimizer_table(report: Report) -> Table | None:
                    "weight decay", "betas", "eps"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("checkpoint", "key") else "right")
     for path, summary in optimizers.items():
-        head = [
-            path,
-            str(summary.get("key", "")),
+        head: list[str | Text] = [
+            plain(path),
+            plain(summary.get("key", "")),
             _number(summary.get("step")),
-            str(summary.get("params_with_state", "")),
-            ", ".join(summary.get("moments") or []) or "none",
+            plain(summary.get("params_with_state", "")),
+            plain(", ".join(map(str, summary.get("moments") or [])) or "none"),
         ]
         groups = summary.get("param_groups") or [{}]
         for k, group in enumerate(groups):
@@ -195,7 +227,9 @@ def trend_table(report: Report) -> Table | None:
         if not seen:
             continue
         table.add_row(
-            name, str(len(seen)), *(f"{v:.4g}" for v in (seen[0], seen[-1], min(seen), max(seen)))
+            plain(name),
+            str(len(seen)),
+            *(f"{v:.4g}" for v in (seen[0], seen[-1], min(seen), max(seen))),
         )
     if len(s["values"]) > _TABLE_ROWS:
         table.add_row(f"… {len(s['values']) - _TABLE_ROWS} more (--format json lists all)")

@@ -15,10 +15,11 @@ an error in the result, and the others are still measured.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -32,6 +33,7 @@ from deadweight.probes.quantization import QuantRisk, Scheme
 from deadweight.probes.tensor_pass import default_threads, scan_tensor
 from deadweight.probes.tensor_stats import TensorStats, tensor_stats
 from deadweight.readers import Checkpoint, CheckpointError, TensorEntry, open_checkpoint, step_of
+from deadweight.readers.base import PASS_THROUGH, reading_error
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -117,6 +119,24 @@ def _open(path: str, unsafe_pickle: bool, errors: list[str]) -> Checkpoint | Non
     except CheckpointError as exc:
         errors.append(str(exc))
         return None
+
+
+@contextlib.contextmanager
+def _per_file(path: str, errors: list[str]) -> Iterator[None]:
+    """Whatever measuring one checkpoint raises (the readers' CheckpointError, or numpy's
+    ValueError on a shape it cannot take, a MemoryError, a RecursionError) becomes that
+    file's error, naming it: the other files are still measured. Interrupts pass."""
+    try:
+        yield
+    except PASS_THROUGH:
+        raise
+    except BaseException as exc:
+        errors.append(str(reading_error(path, exc)))
+
+
+def _close(ckpt: Checkpoint, errors: list[str]) -> None:
+    with _per_file(ckpt.path, errors):
+        ckpt.close()
 
 
 def scan_checkpoint(
@@ -244,11 +264,10 @@ def inspect_checkpoints(
         if ckpt is None:
             continue
         try:
-            stats.scans.append(scan_checkpoint(ckpt, parsed, progress, threads))
-        except CheckpointError as exc:
-            stats.errors.append(str(exc))
+            with _per_file(path, stats.errors):
+                stats.scans.append(scan_checkpoint(ckpt, parsed, progress, threads))
         finally:
-            ckpt.close()
+            _close(ckpt, stats.errors)
     return stats
 
 
@@ -260,29 +279,32 @@ def diff_checkpoints(a: str, b: str, *, unsafe_pickle: bool = False) -> DiffStat
     try:
         if left is None or right is None:
             return stats
-        la = {e.name: e for e in left.entries()}
-        rb = {e.name: e for e in right.entries()}
-        stats.removed = [n for n in la if n not in rb]
-        stats.added = [n for n in rb if n not in la]
-        for name, ea in la.items():
-            eb = rb.get(name)
-            if eb is None:
-                continue
-            if ea.shape != eb.shape:
-                stats.reshaped.append((name, list(ea.shape), list(eb.shape)))
-            elif ea.dtype != eb.dtype:
-                stats.retyped.append((name, ea.dtype, eb.dtype))
-            elif not ea.is_float:
-                stats.listed_only.append(name)
-            else:
-                stats.tensors[name] = _compare(name, left, ea, right, eb)
-    except CheckpointError as exc:
-        stats.errors.append(str(exc))
+        with _per_file(f"{a} vs {b}", stats.errors):
+            _diff_entries(stats, left, right)
     finally:
         for ckpt in (left, right):
             if ckpt is not None:
-                ckpt.close()
+                _close(ckpt, stats.errors)
     return stats
+
+
+def _diff_entries(stats: DiffStats, left: Checkpoint, right: Checkpoint) -> None:
+    la = {e.name: e for e in left.entries()}
+    rb = {e.name: e for e in right.entries()}
+    stats.removed = [n for n in la if n not in rb]
+    stats.added = [n for n in rb if n not in la]
+    for name, ea in la.items():
+        eb = rb.get(name)
+        if eb is None:
+            continue
+        if ea.shape != eb.shape:
+            stats.reshaped.append((name, list(ea.shape), list(eb.shape)))
+        elif ea.dtype != eb.dtype:
+            stats.retyped.append((name, ea.dtype, eb.dtype))
+        elif not ea.is_float:
+            stats.listed_only.append(name)
+        else:
+            stats.tensors[name] = _compare(name, left, ea, right, eb)
 
 
 def _compare(
@@ -328,12 +350,11 @@ def trend_checkpoints(paths: Sequence[str], *, unsafe_pickle: bool = False) -> T
         if ckpt is None:
             continue
         try:
-            for entry in ckpt.entries():
-                if entry.is_float and entry.numel == 1:
-                    value = float(ckpt.array(entry).reshape(-1)[0])
-                    stats.values.setdefault(entry.name, [None] * len(ordered))[k] = value
-        except CheckpointError as exc:
-            stats.errors.append(str(exc))
+            with _per_file(path, stats.errors):
+                for entry in ckpt.entries():
+                    if entry.is_float and entry.numel == 1:
+                        value = float(ckpt.array(entry).reshape(-1)[0])
+                        stats.values.setdefault(entry.name, [None] * len(ordered))[k] = value
         finally:
-            ckpt.close()
+            _close(ckpt, stats.errors)
     return stats

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import re
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from types import TracebackType
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import IO, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -37,6 +40,15 @@ ITEMSIZE = {
 DEFAULT_CHUNK_BYTES = 64 << 20
 # An error message lists at most this many problems: a hostile header can hold millions.
 MAX_LISTED_PROBLEMS = 20
+# A value quoted in an error message (a shape, a name) is cut to this many characters: the
+# message names what is wrong, and a hostile file's values can be megabytes long.
+QUOTED_CHARS = 80
+# The longest integer literal a header may hold: 2**64 - 1, the largest size or offset any
+# format here can store (safetensors reads them as u64), has 20 digits. Python's own limit
+# (4300 digits) still lets a header of 1000 such integers take minutes to multiply out.
+MAX_INT_DIGITS = 20
+# Exceptions that are not a file's fault: an interrupt, an exit, a generator being closed.
+PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 class CheckpointError(InputError):
@@ -56,7 +68,81 @@ class CheckpointError(InputError):
         return cls(path, text)
 
 
-@dataclass(frozen=True)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def shorten(text: str, limit: int = QUOTED_CHARS) -> str:
+    """`text` for an error message: on one line (control characters escaped, a newline as
+    \\n), cut to `limit` characters with an ellipsis when longer."""
+    text = text if len(text) <= limit else text[: limit - 1] + "…"
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def quoted(value: object, limit: int = QUOTED_CHARS) -> str:
+    """repr(value) for an error message, cut to `limit` characters."""
+    try:
+        return shorten(repr(value), limit)
+    except ValueError:  # an int past Python's 4300-digit str() limit
+        return "<a value too large to print>"
+
+
+def bounded_int(literal: str) -> int:
+    """json's parse_int hook: an integer literal of at most MAX_INT_DIGITS digits."""
+    digits = len(literal) - literal.startswith("-")
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"an integer literal of {digits} digits (sizes fit in {MAX_INT_DIGITS})")
+    return int(literal)
+
+
+def reading_error(path: str, exc: BaseException) -> CheckpointError:
+    """The CheckpointError for anything else a reader raised: one line naming the file."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, MemoryError):
+        problem = "needs more memory than is available to read"
+    elif isinstance(exc, RecursionError):
+        problem = "is nested too deeply to read"
+    else:
+        text = " ".join(str(exc).split())  # one line: some exceptions carry tracebacks
+        problem = f"cannot be read ({type(exc).__name__}{': ' if text else ''}{shorten(text, 300)})"
+    return CheckpointError(path, problem)
+
+
+def open_regular(path: str) -> IO[bytes]:
+    """`path` opened for binary reading, unbuffered, if it is a regular file (a link to one
+    included). A FIFO would block open() until a writer came, and a device such as
+    /dev/zero never ends: O_NONBLOCK opens either at once, and fstat refuses them."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise CheckpointError(path, f"cannot open ({exc.strerror})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(path, not_regular(mode))
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def not_regular(mode: int) -> str:
+    kind = (
+        "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a file"
+    )
+    return f"is not a regular file ({kind}); only regular files are read"
+
+
+# slots: a header may describe millions of tensors; this keeps each entry at ~100 bytes.
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     name: str
     shape: tuple[int, ...]
@@ -154,6 +240,76 @@ class ReaderBase:
         return assemble(entry, self.chunks(entry))
 
     def __enter__(self: _R) -> _R:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class GuardedCheckpoint:
+    """A reader whose every method turns what it raises into a CheckpointError naming the
+    file (see reading_error); what `open_checkpoint` returns."""
+
+    def __init__(self, reader: Checkpoint) -> None:
+        self._reader = reader
+        self.path = reader.path
+        self.optimizer: dict[str, Any] | None = reader.optimizer  # read when the file opens
+
+    def __getattr__(self, name: str) -> Any:  # a reader's own extras (safetensors' metadata)
+        return getattr(self._reader, name)
+
+    def _failed(self, exc: BaseException) -> CheckpointError:
+        return reading_error(self.path, exc)
+
+    def entries(self) -> list[TensorEntry]:
+        try:
+            return self._reader.entries()
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
+            raise self._failed(exc) from None
+
+    def chunks(
+        self, entry: TensorEntry, max_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> Iterator[np.ndarray]:
+        return self._guard(lambda: self._reader.chunks(entry, max_bytes))
+
+    def raw_chunks(self, entry: TensorEntry, max_elements: int) -> Iterator[np.ndarray]:
+        return self._guard(lambda: self._reader.raw_chunks(entry, max_elements))
+
+    def _guard(self, start: Any) -> Iterator[np.ndarray]:
+        try:
+            yield from start()
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
+            raise self._failed(exc) from None
+
+    def droppable(self, entry: TensorEntry, address: int, nbytes: int) -> tuple[int, int] | None:
+        return self._reader.droppable(entry, address, nbytes)
+
+    def array(self, entry: TensorEntry) -> np.ndarray:
+        try:
+            return self._reader.array(entry)
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
+            raise self._failed(exc) from None
+
+    def close(self) -> None:
+        try:
+            self._reader.close()
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
+            raise self._failed(exc) from None
+
+    def __enter__(self) -> GuardedCheckpoint:
         return self
 
     def __exit__(

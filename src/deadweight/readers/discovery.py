@@ -68,39 +68,58 @@ def find_checkpoints(inputs: Sequence[str]) -> tuple[list[str], list[CheckpointE
     `checkpoint-100/`, `checkpoint-200/`, ...).
     """
     found: list[str] = []
+    seen: set[str] = set()
     errors: list[CheckpointError] = []
     for raw in inputs:
-        if os.path.exists(raw):
-            targets = [raw]
-        elif _GLOB_CHARS.search(raw):
-            targets = sorted(glob.glob(raw), key=natural_key)
-            if not targets:
-                errors.append(CheckpointError(raw, "no file or directory matches this pattern"))
-                continue
-        else:
-            errors.append(CheckpointError(raw, "no such file or directory"))
+        try:
+            expanded = _expand(raw, errors)
+        except CheckpointError as exc:
+            errors.append(exc)
             continue
-        expanded: list[str] = []
-        for target in targets:
-            if os.path.isdir(target):
-                paths = checkpoints_in_directory(target)
-                if not paths:
-                    subdirs = sorted(
-                        (e.path for e in os.scandir(target) if e.is_dir()), key=natural_key
-                    )
-                    paths = [p for sub in subdirs for p in checkpoints_in_directory(sub)]
-                expanded.extend(paths)
-            elif target.endswith((*CHECKPOINT_SUFFIXES, ".json")) or target == raw:
-                expanded.append(target)
-        if not expanded:
-            errors.append(
-                CheckpointError(
-                    raw,
-                    "holds no checkpoint (looked for a DCP .metadata file, a *.index.json, or "
-                    f"{', '.join('*' + s for s in CHECKPOINT_SUFFIXES)} files)",
-                )
-            )
+        except OSError as exc:  # a directory that cannot be listed, a name too long
+            errors.append(CheckpointError(raw, f"cannot be listed ({exc.strerror or exc})"))
+            continue
         for path in expanded:
-            if path not in found:
+            if path not in seen:
+                seen.add(path)
                 found.append(path)
     return found, errors
+
+
+def _expand(raw: str, errors: list[CheckpointError]) -> list[str]:
+    """The checkpoint paths one input names; raises CheckpointError when it names none.
+    A subdirectory that cannot be listed is an error of its own: its siblings still count."""
+    if os.path.exists(raw):
+        targets = [raw]
+    elif _GLOB_CHARS.search(raw):
+        targets = sorted(glob.glob(raw), key=natural_key)
+        if not targets:
+            raise CheckpointError(raw, "no file or directory matches this pattern")
+    else:
+        raise CheckpointError(raw, "no such file or directory")
+    expanded: list[str] = []
+    for target in targets:
+        if os.path.isdir(target):
+            paths = checkpoints_in_directory(target)
+            if not paths:
+                subdirs = sorted(
+                    (e.path for e in os.scandir(target) if e.is_dir()), key=natural_key
+                )
+                paths = []
+                for sub in subdirs:
+                    try:
+                        paths.extend(checkpoints_in_directory(sub))
+                    except OSError as exc:
+                        errors.append(
+                            CheckpointError(sub, f"cannot be listed ({exc.strerror or exc})")
+                        )
+            expanded.extend(paths)
+        elif target.endswith((*CHECKPOINT_SUFFIXES, ".json")) or target == raw:
+            expanded.append(target)
+    if not expanded:
+        raise CheckpointError(
+            raw,
+            "holds no checkpoint (looked for a DCP .metadata file, a *.index.json, or "
+            f"{', '.join('*' + s for s in CHECKPOINT_SUFFIXES)} files)",
+        )
+    return expanded

@@ -10,9 +10,11 @@ asked for, so resident memory stays at about one chunk.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import mmap
 import os
+import re
 import struct
 from collections.abc import Iterator
 from typing import Any
@@ -22,11 +24,16 @@ import numpy as np
 from deadweight.readers.base import (
     DEFAULT_CHUNK_BYTES,
     ITEMSIZE,
+    MAX_LISTED_PROBLEMS,
     CheckpointError,
     ReaderBase,
     TensorEntry,
+    bounded_int,
     elements_per_chunk,
+    open_regular,
     output_dtype,
+    quoted,
+    shorten,
     widen,
 )
 
@@ -71,32 +78,147 @@ RAW_DTYPES = {
     "uint8": "u1",
     "bool": "?",
 }
-# safetensors itself refuses headers over 100 MB; a larger length field means a corrupt or
-# non-safetensors file, and reading it would allocate that much.
+# safetensors itself refuses headers over 100 MB (MAX_HEADER_SIZE = 100_000_000 in its Rust
+# crate); a larger length field means a corrupt or non-safetensors file, and reading it would
+# allocate that much. Parsing is bounded separately: see MAX_ENTRY_CHARS.
 MAX_HEADER_BYTES = 100_000_000
 _HEADER_LEN = struct.Struct("<Q")
+
+
+# Each tensor's entry is decoded on its own and may be at most this long: a shape of rank 64
+# (numpy's most) of 20-digit sizes is about 1.4 KB, and 64 KiB leaves room for whatever
+# whitespace a writer adds. Decoding an entry allocates a bounded multiple of this, not of
+# the header: a 96 MB header of tiny JSON objects in one shape took 2.8 GB to json.loads.
+MAX_ENTRY_CHARS = 64 << 10
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_STRING = r'"(?:[^"\\]++|\\.)*+"'
+_SCALARS = r'[^{}\[\]"]++'
+# An object or list holding no object and no list deeper than one list: what every tensor
+# entry ({"dtype": "F32", "shape": [..], "data_offsets": [..]}) and __metadata__ are.
+# Possessive quantifiers: matching never backtracks, so it is linear in what it reads.
+_FLAT_LIST = rf"\[(?:{_SCALARS}|{_STRING})*+\]"
+_FLAT = {
+    "{": re.compile(rf"\{{(?:{_SCALARS}|{_STRING}|{_FLAT_LIST})*+\}}"),
+    "[": re.compile(_FLAT_LIST),
+}
+# What the header is when it is not an object, by its first character.
+_JSON_KINDS = {"[": "list", '"': "string", "t": "bool", "f": "bool", "n": "null"}
 
 
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate key {key!r}")
+            raise ValueError(f"duplicate key {quoted(key)}")
         out[key] = value
     return out
+
+
+# Integers of at most 20 digits: a shape of 1000 integers of 4000 digits each took minutes
+# to multiply out.
+_DECODER = json.JSONDecoder(object_pairs_hook=_reject_duplicates, parse_int=bounded_int)
+# One JSON value at an index: (value, index after it); json's own (C) scanner.
+_SCAN = _DECODER.scan_once  # type: ignore[attr-defined]
+
+
+class _Malformed(Exception):
+    """The header is not JSON from here on: nothing after this point can be read."""
+
+
+class _NotSafetensors(_Malformed):
+    """Valid JSON perhaps, but not laid out as a safetensors header: read no further."""
+
+
+class _BadValue(Exception):
+    """One value is valid JSON in extent but not in content (a duplicate key, a huge integer)."""
+
+
+class _Cursor:
+    """Reads the header's top-level object one member at a time, so that memory holds what
+    has been validated and one entry, never the decoded header as a whole."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.pos = 0
+
+    def peek(self) -> str:
+        self.pos = _WHITESPACE.match(self.text, self.pos).end()  # type: ignore[union-attr]
+        return self.text[self.pos : self.pos + 1]
+
+    def take(self, char: str) -> None:
+        if self.peek() != char:
+            raise _Malformed(f"expected {char!r} at character {self.pos}")
+        self.pos += 1
+
+    def members(self) -> Iterator[str]:
+        """The keys of the object here; read each one's value() before asking for the next."""
+        self.take("{")
+        if self.peek() == "}":
+            self.pos += 1
+            return
+        while True:
+            self.take('"')
+            try:
+                key, self.pos = json.decoder.scanstring(self.text, self.pos)  # type: ignore[attr-defined]
+            except ValueError as exc:
+                raise _Malformed(str(exc)) from None
+            self.take(":")
+            yield key
+            if self.peek() == ",":
+                self.pos += 1
+                continue
+            self.take("}")
+            return
+
+    def value(self, limit: int) -> Any:
+        """The value here; an object or list must be flat (see _FLAT) and at most `limit` long."""
+        first = self.peek()
+        end = None
+        if first in _FLAT:
+            match = _FLAT[first].match(self.text, self.pos, self.pos + limit)
+            if match is None:
+                raise _NotSafetensors(
+                    f"the value at character {self.pos} nests objects or lists, or is over "
+                    f"{limit} characters (a tensor's entry takes a few hundred)"
+                )
+            end = match.end()
+        try:
+            value, self.pos = _SCAN(self.text, self.pos)
+        except StopIteration:
+            raise _Malformed(f"expected a value at character {self.pos}") from None
+        except ValueError as exc:  # JSONDecodeError, a duplicate key, a huge integer
+            if end is None:
+                raise _Malformed(str(exc)) from None
+            self.pos = end  # its extent is known: go on with the next member
+            raise _BadValue(str(exc)) from None
+        return value
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _numel(shape: list[int], cap: int) -> int | None:
+    """The product of `shape`, or None once it passes `cap` (never multiplied out further)."""
+    if 0 in shape:
+        return 0
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel > cap:
+            return None
+    return numel
+
+
 def parse_header(
     path: str, file_size: int, head: bytes
-) -> tuple[list[TensorEntry], dict[str, int], dict[str, Any]]:
-    """Validate a header; return entries in file order, each entry's data start, and __metadata__.
+) -> tuple[list[TensorEntry], dict[str, int], str]:
+    """Validate a header; return entries in file order, each entry's data start, and the JSON
+    text of __metadata__ (validated; decode it when wanted: it may hold millions of pairs).
 
     `head` is the file's first 8 bytes plus the header. Raises one CheckpointError with every
-    problem found.
+    problem found (the first MAX_LISTED_PROBLEMS: reading stops there).
     """
     if file_size == 0:
         raise CheckpointError(path, "the file is empty (not a safetensors file)")
@@ -117,69 +239,68 @@ def parse_header(
             f"header length {header_len} runs past the end of the {file_size}-byte file (truncated?)",
         )
     try:
-        header = json.loads(
-            head[8 : 8 + header_len].decode("utf-8"), object_pairs_hook=_reject_duplicates
-        )
-    except (
-        ValueError,
-        RecursionError,
-    ) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        text = head[8 : 8 + header_len].decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise CheckpointError(
             path, f"the header is not valid JSON ({exc}); not a safetensors file?"
         ) from None
-    if not isinstance(header, dict):
-        raise CheckpointError(path, f"the header is a JSON {type(header).__name__}, not an object")
+    cursor = _Cursor(text)
+    first = cursor.peek()
+    if first != "{":
+        kind = _JSON_KINDS.get(first) or ("number" if first[:1] in "-0123456789" else None)
+        if kind is None or not first:
+            raise CheckpointError(
+                path, "the header is not valid JSON (it does not start with a value)"
+            )
+        raise CheckpointError(path, f"the header is a JSON {kind}, not an object")
 
     data_size = file_size - 8 - header_len
     problems: list[str] = []
-    metadata = header.pop("__metadata__", {})
-    if not isinstance(metadata, dict):
-        problems.append("__metadata__ is not a JSON object")
-        metadata = {}
+    metadata = "{}"
+    seen: set[str] = set()
     spans: list[tuple[int, int, str]] = []
     entries: list[tuple[int, TensorEntry]] = []
-    for name, info in header.items():
-        if not isinstance(info, dict):
-            problems.append(f"{name}: entry is not an object")
-            continue
-        raw_dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        dtype = SAFETENSORS_DTYPES.get(raw_dtype) if isinstance(raw_dtype, str) else None
-        if dtype is None:
-            problems.append(
-                f"{name}: unknown dtype {raw_dtype!r} (known: {', '.join(SAFETENSORS_DTYPES)})"
-            )
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            problems.append(f"{name}: shape {shape!r} is not a list of non-negative integers")
-            shape = None
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(_is_int(o) and o >= 0 for o in offsets)
-            or offsets[0] > offsets[1]
-        ):
-            problems.append(
-                f"{name}: data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end"
-            )
-            offsets = None
-        if dtype is None or shape is None or offsets is None:
-            continue
-        begin, end = offsets
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * ITEMSIZE[dtype]
-        if end - begin != nbytes:
-            problems.append(
-                f"{name}: shape {shape} of {dtype} needs {nbytes} bytes but data_offsets {offsets} span {end - begin}"
-            )
-            continue
-        if end > data_size:
-            problems.append(
-                f"{name}: data_offsets {offsets} run past the {data_size}-byte data section (truncated?)"
-            )
-            continue
-        spans.append((begin, end, name))
-        entries.append((begin, TensorEntry(name, tuple(shape), dtype, path, nbytes)))
+    complete = False  # read to the end, every problem listed
+    try:
+        for name in cursor.members():
+            if len(problems) >= MAX_LISTED_PROBLEMS:
+                break
+            if name in seen:
+                problems.append(f"duplicate key {quoted(name)}")
+            seen.add(name)
+            if name == "__metadata__":
+                metadata = _metadata(cursor, problems)
+                continue
+            try:
+                info = cursor.value(MAX_ENTRY_CHARS)
+            except _BadValue as exc:
+                problems.append(f"{shorten(name)}: {shorten(str(exc), 200)}")
+                continue
+            entry = _entry(path, name, info, data_size, problems)
+            if entry is not None:
+                spans.append((entry[0], entry[1], name))
+                entries.append((entry[0], entry[2]))
+        else:
+            if cursor.peek():
+                raise _Malformed(f"extra data at character {cursor.pos}")
+            complete = True
+    except _Malformed as exc:
+        if isinstance(exc, _NotSafetensors):
+            problem = f"{exc}: not a safetensors header"
+        else:
+            problem = f"the header is not valid JSON ({exc})"
+        if not problems:
+            raise CheckpointError(path, f"{problem}; not a safetensors file?") from None
+        problems.append(f"{problem}; read no further")
+    if not complete:
+        # Stopped early: what it holds further on, and whether its tensors tile the data, is
+        # not known; the problems found are enough to refuse it.
+        if len(problems) >= MAX_LISTED_PROBLEMS:
+            problems = [
+                *problems[:MAX_LISTED_PROBLEMS],
+                "and more (the header was read no further)",
+            ]
+        raise CheckpointError(path, "; ".join(problems))
 
     # safetensors requires the tensors to tile the data section exactly: no overlap, no gap.
     spans.sort()
@@ -187,7 +308,7 @@ def parse_header(
     previous = ""
     for begin, end, name in spans:
         if begin < covered:
-            problems.append(f"{name}: bytes {begin}..{end} overlap {previous}")
+            problems.append(f"{shorten(name)}: bytes {begin}..{end} overlap {shorten(previous)}")
         elif begin > covered:
             problems.append(
                 f"bytes {covered}..{begin} of the data section are not covered by any tensor"
@@ -205,18 +326,85 @@ def parse_header(
     return [entry for _, entry in entries], starts, metadata
 
 
+def _metadata(cursor: _Cursor, problems: list[str]) -> str:
+    """The JSON text of the __metadata__ object at the cursor, read past and validated pair
+    by pair without keeping them: free-form text that deadweight does not need, whose
+    millions of tiny pairs would take 20 times their size as a dict."""
+    start = cursor.pos = _WHITESPACE.match(cursor.text, cursor.pos).end()  # type: ignore[union-attr]
+    if cursor.peek() != "{":
+        with contextlib.suppress(_BadValue):  # its extent is known; it is refused anyway
+            cursor.value(MAX_ENTRY_CHARS)
+        problems.append("__metadata__ is not a JSON object")
+        return "{}"
+    for _ in cursor.members():
+        try:
+            cursor.value(MAX_ENTRY_CHARS)
+        except _BadValue as exc:
+            problems.append(f"__metadata__: {shorten(str(exc), 200)}")
+    return cursor.text[start : cursor.pos]
+
+
+def _entry(
+    path: str, name: str, info: object, data_size: int, problems: list[str]
+) -> tuple[int, int, TensorEntry] | None:
+    """One tensor's (begin, end, entry), or None with its problems appended."""
+    label = shorten(name)
+    if not isinstance(info, dict):
+        problems.append(f"{label}: entry is not an object")
+        return None
+    raw_dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    dtype = SAFETENSORS_DTYPES.get(raw_dtype) if isinstance(raw_dtype, str) else None
+    found = len(problems)
+    if dtype is None:
+        problems.append(
+            f"{label}: unknown dtype {quoted(raw_dtype)} (known: {', '.join(SAFETENSORS_DTYPES)})"
+        )
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        problems.append(f"{label}: shape {quoted(shape)} is not a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) and o >= 0 for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        problems.append(
+            f"{label}: data_offsets {quoted(offsets)} is not [begin, end] with 0 <= begin <= end"
+        )
+    if len(problems) > found:
+        return None
+    assert dtype is not None and isinstance(shape, list) and isinstance(offsets, list)
+    begin, end = offsets
+    # Multiplied out only while it could fit the data section: its product is never needed
+    # past that, and a shape of a million 2s would take minutes.
+    numel = _numel(shape, max(data_size, end - begin))
+    if numel is None:
+        problems.append(
+            f"{label}: shape {quoted(shape)} of {dtype} needs more than the {data_size}-byte data section holds"
+        )
+        return None
+    nbytes = numel * ITEMSIZE[dtype]
+    if nbytes != end - begin:
+        problems.append(
+            f"{label}: shape {quoted(shape)} of {dtype} needs {nbytes} bytes but data_offsets {offsets} span {end - begin}"
+        )
+        return None
+    if end > data_size:
+        problems.append(
+            f"{label}: data_offsets {offsets} run past the {data_size}-byte data section (truncated?)"
+        )
+        return None
+    return begin, end, TensorEntry(name, tuple(shape), dtype, path, nbytes)
+
+
 class SafetensorsFile(ReaderBase):
     """One `.safetensors` file; the header is validated in full before any data is read."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.optimizer = None
-        try:
-            self._fh = open(path, "rb", buffering=0)  # noqa: SIM115 -- closed by close()
-            self._mm: mmap.mmap | None = None
-            self._base = 0  # the map's address
-        except OSError as exc:
-            raise CheckpointError(path, f"cannot open ({exc.strerror})") from None
+        self._fh = open_regular(path)  # a FIFO or device is refused, never waited on
+        self._mm: mmap.mmap | None = None
+        self._base = 0  # the map's address
         try:
             file_size = os.fstat(self._fh.fileno()).st_size
             head = self._fh.read(8) if file_size >= 8 else b""
@@ -225,11 +413,17 @@ class SafetensorsFile(ReaderBase):
                 # Cap the read by the file size: the length field itself is untrusted.
                 if header_len <= min(MAX_HEADER_BYTES, file_size - 8):
                     head += _read_exactly(self._fh, header_len, path)
-            self._entries, self._starts, self.metadata = parse_header(path, file_size, head)
+            self._entries, self._starts, self._metadata = parse_header(path, file_size, head)
         except BaseException:
             self._fh.close()
             raise
         self._by_name = {e.name: e for e in self._entries}
+
+    @functools.cached_property
+    def metadata(self) -> dict[str, Any]:
+        """The header's __metadata__ (free-form text the writer added), decoded when asked for."""
+        decoded: dict[str, Any] = json.loads(self._metadata)
+        return decoded
 
     def entries(self) -> list[TensorEntry]:
         return list(self._entries)

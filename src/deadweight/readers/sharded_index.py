@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,10 +16,14 @@ import numpy as np
 
 from deadweight.readers.base import (
     DEFAULT_CHUNK_BYTES,
+    MAX_LISTED_PROBLEMS,
     Checkpoint,
     CheckpointError,
     ReaderBase,
     TensorEntry,
+    bounded_int,
+    open_regular,
+    shorten,
 )
 
 
@@ -37,29 +42,41 @@ class ShardedCheckpoint(ReaderBase):
             for name, shard in weight_map.items():
                 by_shard.setdefault(shard, []).append(name)
             for shard, names in by_shard.items():
+                if len(problems) >= MAX_LISTED_PROBLEMS:
+                    problems.append("and more (the other shards were not opened)")
+                    break
                 shard_path = os.path.join(folder, shard)
+                label = shorten(shard)
+                if shard.endswith(".json"):
+                    # transformers never nests indexes; opening one from here could recurse
+                    # (an index naming itself) and repeat its error at every level.
+                    problems.append(
+                        f"shard {label} is itself an index (.json), not a weight file "
+                        f"({len(names)} tensor(s) mapped to it, e.g. {shorten(names[0])})"
+                    )
+                    continue
                 if not os.path.isfile(shard_path):
                     problems.append(
-                        f"shard {shard} is missing ({len(names)} tensor(s) mapped to it, e.g. {names[0]})"
+                        f"shard {label} is missing ({len(names)} tensor(s) mapped to it, e.g. {shorten(names[0])})"
                     )
                     continue
                 try:
                     reader = open_shard(shard_path)
                 except CheckpointError as exc:
-                    problems.append(f"shard {shard} is unreadable: {exc.problem}")
+                    problems.append(f"shard {label} is unreadable: {shorten(exc.problem, 300)}")
                     continue
                 self._shards[shard_path] = reader
                 held = {e.name for e in reader.entries()}
                 absent = [n for n in names if n not in held]
                 if absent:
-                    shown = ", ".join(absent[:5]) + (
+                    shown = ", ".join(shorten(n) for n in absent[:5]) + (
                         f" and {len(absent) - 5} more" if len(absent) > 5 else ""
                     )
                     problems.append(
-                        f"shard {shard} does not hold {shown}, which the weight_map maps to it"
+                        f"shard {label} does not hold {shown}, which the weight_map maps to it"
                     )
             if problems:
-                raise CheckpointError.listing(path, problems)
+                raise CheckpointError(path, "; ".join(problems))
         except BaseException:
             self.close()
             raise
@@ -93,14 +110,40 @@ class ShardedCheckpoint(ReaderBase):
             reader.close()
 
 
+# The largest index worth reading: it names each tensor once (~100 bytes each), so 100 MB,
+# the limit safetensors puts on a header, is a million tensors; past it is not an index.
+MAX_INDEX_BYTES = 100_000_000
+# The most JSON objects and lists an index may hold: transformers writes three.
+MAX_INDEX_CONTAINERS = 1000
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
+
+
 def _read_weight_map(path: str) -> dict[str, str]:
+    with open_regular(path) as fh:  # a FIFO or /dev/zero is refused, never read
+        size = os.fstat(fh.fileno()).st_size
+        if size > MAX_INDEX_BYTES:
+            raise CheckpointError(
+                path, f"is {size} bytes, over the {MAX_INDEX_BYTES} an index can be (not an index?)"
+            )
+        raw = fh.read(MAX_INDEX_BYTES + 1)
+    # An index is an object holding two: metadata and weight_map. Decoding a list of a million
+    # empty objects would take 24 times its size, so count the containers first (outside
+    # strings, at the speed of a regex) and refuse a file of thousands.
+    skeleton = _STRING.sub(b'""', raw)
+    containers = skeleton.count(b"{") + skeleton.count(b"[")
+    if containers > MAX_INDEX_CONTAINERS:
+        raise CheckpointError(
+            path,
+            f"holds {containers} JSON objects and lists; an index holds a few (not an index?)",
+        )
+    del skeleton
     try:
-        with open(path, encoding="utf-8") as fh:
-            index: Any = json.load(fh)
-    except OSError as exc:
-        raise CheckpointError(path, f"cannot open ({exc.strerror})") from None
+        # parse_int: no integer of thousands of digits to convert (quadratic in its length).
+        index: Any = json.loads(raw.decode("utf-8"), parse_int=bounded_int)
     except (ValueError, RecursionError) as exc:
-        raise CheckpointError(path, f"the index is not valid JSON ({exc})") from None
+        raise CheckpointError(
+            path, f"the index is not valid JSON ({shorten(str(exc), 200)})"
+        ) from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -119,6 +162,6 @@ def _read_weight_map(path: str) -> dict[str, str]:
     if escaping:
         raise CheckpointError(
             path,
-            f"the weight_map names shard files outside the index's directory: {', '.join(escaping[:5])}",
+            f"the weight_map names shard files outside the index's directory: {', '.join(shorten(e) for e in escaping[:5])}",
         )
     return weight_map
