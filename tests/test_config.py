@@ -3,6 +3,7 @@ by `deadweight lint` (select, ignore, exclude, per-file-ignores, inference-only)
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,86 @@ def test_the_api_reads_a_configuration_only_when_asked(
     assert deadweight.load_config(tmp_path / "pyproject.toml").thresholds.outlier_z == 9
     with pytest.raises(ConfigError, match="unknown key 'outlier-zz'"):
         config.resolve(True, thresholds={"outlier-zz": 1})
+
+
+# -- unreadable files (issue 20): one ConfigError naming the file, never a traceback ----
+
+DEEP = "x = " + "[" * 200_000 + "]" * 200_000 + "\n"
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        (DEEP, "not valid TOML: nested too deeply to read"),
+        ("x = " + "7" * 5000 + "\n", "not valid TOML: Exceeds the limit"),
+        (b"select = ['\xff\xfe']\n", "not valid TOML: not UTF-8 (byte 11"),
+        ("select = [\n", "not valid TOML: "),
+    ],
+    ids=["nested-200k-deep", "5000-digit-integer", "not-utf8", "cut-off"],
+)
+def test_an_unparsable_deadweight_toml_is_a_config_error_naming_it(
+    tmp_path: Path, body: str | bytes, problem: str
+) -> None:
+    path = tmp_path / "deadweight.toml"
+    path.write_bytes(body if isinstance(body, bytes) else body.encode())
+    with pytest.raises(ConfigError) as info:
+        config.for_path(tmp_path)
+    assert str(info.value).startswith(f"{path}: {problem}")
+
+
+def test_a_broken_pyproject_without_our_table_is_passed_over_with_a_note(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text('[project]\ndependencies = ["deadweight"]\n' + DEEP)
+    cfg = config.for_path(tmp_path)
+    assert cfg.path is None and cfg.select == ()
+    (note,) = cfg.notes
+    assert note.startswith(f"{tmp_path / 'pyproject.toml'}: not valid TOML: nested too deeply")
+    assert note.endswith("it has no [tool.deadweight], so deadweight ignores it")
+
+
+def test_a_broken_pyproject_with_our_table_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "pyproject.toml"
+    path.write_text('[tool.deadweight]\nselect = ["DW5"\n')
+    with pytest.raises(ConfigError, match=f"^{path}: not valid TOML"):
+        config.for_path(tmp_path)
+
+
+@pytest.mark.parametrize("tool", ["5", '"deadweight"', '["deadweight"]'])
+def test_a_tool_key_that_is_not_a_table_is_not_a_crash(tmp_path: Path, tool: str) -> None:
+    path = tmp_path / "pyproject.toml"
+    path.write_text(f"tool = {tool}\n")
+    assert config.for_path(tmp_path).path is None  # not ours: defaults
+    with pytest.raises(ConfigError, match=r"\[tool\] must be a table"):
+        config.load(path)
+
+
+def test_values_in_messages_are_cut_to_a_readable_length(tmp_path: Path) -> None:
+    (tmp_path / "deadweight.toml").write_text(f'fail-on = "{"x" * 100_000}"\n')
+    with pytest.raises(ConfigError) as info:
+        config.for_path(tmp_path)
+    assert "fail-on must be" in str(info.value) and len(str(info.value)) < 500
+
+
+def test_a_deadweight_toml_that_is_not_a_regular_file_is_never_opened(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    os.mkfifo(tmp_path / "deadweight.toml")
+    (tmp_path / "other.toml").symlink_to(tmp_path / "missing.toml")
+    script = (
+        "import sys; from deadweight import config\n"
+        "for target in sys.argv[1:]:\n"
+        "    try:\n"
+        "        config.load(target) if target.endswith('.toml') else config.for_path(target)\n"
+        "    except config.ConfigError as exc:\n"
+        "        print(exc)\n"
+    )
+    targets = [str(tmp_path), str(tmp_path / "deadweight.toml"), str(tmp_path / "other.toml")]
+    # A timeout, not a hang, if a FIFO is ever opened: nothing writes to it.
+    result = subprocess.run(
+        [sys.executable, "-c", script, *targets], capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.splitlines() == [
+        f"{tmp_path / 'deadweight.toml'}: not a regular file",
+        f"{tmp_path / 'deadweight.toml'}: not a regular file",
+        f"{tmp_path / 'other.toml'}: cannot read: No such file or directory",
+    ], result.stderr

@@ -40,6 +40,8 @@ import functools
 import inspect
 import os
 import re
+import reprlib
+import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -92,6 +94,8 @@ class Config:
     # keys set by the file (`fail-on`, `thresholds.outlier-z`); the rest are defaults
     explicit: frozenset[str] = frozenset()
     own_file: bool = False  # a deadweight.toml (keys at the top level)
+    # broken pyproject.toml files without [tool.deadweight] passed over on the way here
+    notes: tuple[str, ...] = ()
 
     def source_of(self, key: str) -> str:
         """Where a key's value came from: the file (and table) that set it, or `default`."""
@@ -162,35 +166,74 @@ def find_config_file(start: str | Path) -> Path | None:
     return _find(start, own_file=True)
 
 
-def _find(start: str | Path, *, own_file: bool) -> Path | None:
+def _find(start: str | Path, *, own_file: bool, notes: list[str] | None = None) -> Path | None:
     here = Path(start).resolve()
     if not here.is_dir():
         here = here.parent
     for directory in (here, *here.parents):
-        if own_file and (directory / OWN_FILENAME).is_file():
-            return directory / OWN_FILENAME
+        if own_file:
+            own = directory / OWN_FILENAME
+            if own.is_file():
+                return own
+            if os.path.lexists(own) and not own.is_dir():
+                return own  # a FIFO, a socket, a dangling link: load() says so, never opens it
         candidate = directory / FILENAME
-        if candidate.is_file() and _has_table(candidate):
-            return candidate
+        if candidate.is_file():
+            has_table, note = _has_table(candidate)
+            if note and notes is not None:
+                notes.append(note)
+            if has_table:
+                return candidate
     return None
 
 
-def _has_table(path: Path) -> bool:
-    return _has_table_cached(path, path.stat().st_mtime_ns)
+def _has_table(path: Path) -> tuple[bool, str | None]:
+    try:
+        mtime_ns = path.stat().st_mtime_ns
+    except OSError:
+        return False, None  # gone since is_file(): nothing to read
+    return _has_table_cached(path, mtime_ns)
 
 
 @functools.lru_cache(maxsize=64)
-def _has_table_cached(path: Path, mtime_ns: int) -> bool:
+def _has_table_cached(path: Path, mtime_ns: int) -> tuple[bool, str | None]:
+    """Whether a pyproject.toml holds `[tool.deadweight]`, and a note when it cannot be
+    parsed but is none of deadweight's business (so it is passed over, not an error)."""
     try:
-        return "deadweight" in _read_toml(path).get("tool", {})
-    except ConfigError:
-        return True  # let load() report the broken file instead of skipping past it
+        tool = _read_toml(path).get("tool")
+    except ConfigError as exc:
+        if _mentions_deadweight(path):
+            return True, None  # let load() report the broken file instead of skipping it
+        return False, f"{exc}; it has no [tool.deadweight], so deadweight ignores it"
+    return isinstance(tool, dict) and "deadweight" in tool, None
+
+
+# `[tool.deadweight]`, `[tool.deadweight.thresholds]`, `tool.deadweight.x = ` or, under
+# `[tool]`, `deadweight = {...}` / `deadweight.x = `: how a TOML file can hold the table.
+_TABLE_TEXT = re.compile(
+    rb"""^[ \t]*(?:\[[ \t]*tool[ \t]*\.[ \t]*["']?deadweight\b|(?:tool[ \t]*\.[ \t]*)?"""
+    rb"""["']?deadweight["']?[ \t]*[.=])""",
+    re.MULTILINE,
+)
+
+
+def _mentions_deadweight(path: Path) -> bool:
+    """Whether an unparsable pyproject.toml looks like it has a [tool.deadweight] table
+    (a mere dependency on deadweight does not count)."""
+    try:
+        with open(path, "rb") as fh:
+            return _TABLE_TEXT.search(fh.read()) is not None
+    except OSError:
+        return False
 
 
 def for_path(start: str | Path) -> Config:
-    """The configuration that governs `start`: its nearest configuration file, or defaults."""
-    found = find_config_file(start)
-    return load(found) if found else default()
+    """The configuration that governs `start`: its nearest configuration file, or defaults.
+    `notes` of the result name the broken pyproject.toml files passed over."""
+    notes: list[str] = []
+    found = _find(start, own_file=True, notes=notes)
+    cfg = load(found) if found else default()
+    return dataclasses.replace(cfg, notes=tuple(notes)) if notes else cfg
 
 
 def load(path: str | Path) -> Config:
@@ -206,7 +249,9 @@ def load(path: str | Path) -> Config:
     tool = document.get("tool")
     nested = isinstance(tool, dict) and "deadweight" in tool
     if path.name == FILENAME or (nested and path.name != OWN_FILENAME):
-        table = document.get("tool", {}).get("deadweight", {})
+        if tool is not None and not isinstance(tool, dict):
+            raise ConfigError(f"{path}: [tool] must be a table, got {_shown(tool)}")
+        table = (tool or {}).get("deadweight", {})
         return from_table(table, root=path.resolve().parent, source=path)
     return from_table(document, root=path.resolve().parent, source=path, own_file=True)
 
@@ -324,12 +369,12 @@ def from_table(
                 hint = (
                     f" ({OWN_FILENAME} holds the keys at its top level, without [tool.deadweight])"
                 )
-            problems.append(f"unknown key {key!r}{hint}")
+            problems.append(f"unknown key {_shown(key)}{hint}")
 
     def string_list(key: str) -> tuple[str, ...]:
         value = table.get(key, [])
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            problems.append(f"{key} must be {KEYS[key]}, got {value!r}")
+            problems.append(f"{key} must be {KEYS[key]}, got {_shown(value)}")
             return ()
         return tuple(value)
 
@@ -340,12 +385,13 @@ def from_table(
     per_file: list[tuple[str, tuple[str, ...]]] = []
     raw = table.get("per-file-ignores", {})
     if not isinstance(raw, dict):
-        problems.append(f"per-file-ignores must be {KEYS['per-file-ignores']}, got {raw!r}")
+        problems.append(f"per-file-ignores must be {KEYS['per-file-ignores']}, got {_shown(raw)}")
     else:
         for pattern, rules in raw.items():
             if not isinstance(rules, list) or not all(isinstance(r, str) for r in rules):
                 problems.append(
-                    f"per-file-ignores.{pattern!r} must be a list of rule codes, got {rules!r}"
+                    f"per-file-ignores.{_shown(pattern)} must be a list of rule codes, "
+                    f"got {_shown(rules)}"
                 )
                 continue
             per_file.append((pattern, tuple(rules)))
@@ -355,18 +401,20 @@ def from_table(
             problems.append(problem)
     for entry in inference_only:
         if entry.partition("::")[0] == "":
-            problems.append(f"inference-only entry {entry!r} has no path pattern (use '**::NAME')")
+            problems.append(
+                f"inference-only entry {_shown(entry)} has no path pattern (use '**::NAME')"
+            )
     fail_on = table.get("fail-on", DEFAULT_FAIL_ON)
     if fail_on not in FAIL_ON_CHOICES:
         problems.append(
-            f"fail-on must be {KEYS['fail-on']}, got {fail_on!r}"
-            + _did_you_mean(str(fail_on), FAIL_ON_CHOICES)
+            f"fail-on must be {KEYS['fail-on']}, got {_shown(fail_on)}"
+            + _did_you_mean(_shown(fail_on).strip("'\""), FAIL_ON_CHOICES)
         )
         fail_on = DEFAULT_FAIL_ON
     limits = DEFAULT_THRESHOLDS
     raw_limits = table.get("thresholds", {})
     if not isinstance(raw_limits, dict):
-        problems.append(f"thresholds must be {KEYS['thresholds']}, got {raw_limits!r}")
+        problems.append(f"thresholds must be {KEYS['thresholds']}, got {_shown(raw_limits)}")
         raw_limits = {}
     try:
         limits = DEFAULT_THRESHOLDS.updated(raw_limits, where="thresholds")
@@ -401,26 +449,49 @@ def rule_entry_problem(entry: str) -> str | None:
     if upper.startswith("DW"):
         if any(r.code.startswith(upper) for r in rules):
             return None
-        return f"unknown rule {entry!r}{_did_you_mean(upper, [r.code for r in rules])}"
+        return f"unknown rule {_shown(entry)}{_did_you_mean(upper, [r.code for r in rules])}"
     if any(r.name == key for r in rules):
         return None
-    return f"unknown rule {entry!r}{_did_you_mean(key, [r.name for r in rules])}"
+    return f"unknown rule {_shown(entry)}{_did_you_mean(key, [r.name for r in rules])}"
 
 
 def _did_you_mean(word: str, choices: Iterable[str]) -> str:
-    return did_you_mean(word, choices)
+    # difflib's cost grows with the word's length: no key or choice is longer than 64.
+    return did_you_mean(word[:64], choices)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    """The parsed file; ConfigError naming it for anything that stops that."""
     if tomllib is None:  # pragma: no cover - Python 3.10 without tomli
         raise ConfigError(f"{path}: reading TOML on Python 3.10 needs `pip install tomli`")
     try:
+        # Only a regular file is opened: a FIFO would block until someone writes to it.
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ConfigError(f"{path}: not a regular file")
         with open(path, "rb") as fh:
             return tomllib.load(fh)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not valid TOML: not UTF-8 (byte {exc.start}: {exc.reason})"
+        ) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid TOML: nested too deeply to read") from None
+    except ValueError as exc:  # such as an integer too long to convert
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80  # a value in a message: enough to recognise it
+_SHOWN.maxlevel = 3
+
+
+def _shown(value: Any) -> str:
+    """repr() of a configured value, cut to a readable length and depth."""
+    return _SHOWN.repr(value)
 
 
 def path_matches(pattern: str, rel: str) -> bool:

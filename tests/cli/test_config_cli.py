@@ -165,3 +165,45 @@ def test_lint_reads_fail_on_and_keeps_its_per_file_rules(
     capsys.readouterr()
     assert main(["lint", "m.py", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["findings"] == []
+
+
+def test_a_broken_pyproject_that_is_not_ours_does_not_stop_inspect(
+    project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (project / "pyproject.toml").write_text("x = " + "[" * 200_000 + "]" * 200_000 + "\n")
+    save_file({"layer.weight": torch.randn(16, 16)}, str(project / "m.safetensors"))
+    assert main(["inspect", "m.safetensors"]) in (0, 1)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"deadweight: note: {project / 'pyproject.toml'}: not valid TOML: nested too deeply "
+        "to read; it has no [tool.deadweight], so deadweight ignores it"
+    ]
+
+
+def test_a_broken_deadweight_toml_stops_every_subcommand_in_one_line(
+    project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (project / "deadweight.toml").write_text("x = " + "{a = " * 100_000 + "\n")
+    save_file({"layer.weight": torch.randn(16, 16)}, str(project / "m.safetensors"))
+    for argv in (["inspect", "m.safetensors"], ["lint", "train.py"], ["config"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err == [
+            f"deadweight: error: {project / 'deadweight.toml'}: not valid TOML: nested too "
+            "deeply to read"
+        ]
+
+
+def test_a_fifo_named_deadweight_toml_is_an_error_not_a_hang(project: Path) -> None:
+    import os
+    import subprocess
+
+    os.mkfifo(project / "deadweight.toml")
+    for argv in (["lint", "train.py"], ["config"], ["config", "--config", "deadweight.toml"]):
+        result = subprocess.run(  # the timeout turns a hang into a failure
+            [sys.executable, "-m", "deadweight", *argv],
+            capture_output=True, text=True, timeout=120, cwd=project,
+        )  # fmt: skip
+        named = "deadweight.toml" if "--config" in argv else project / "deadweight.toml"
+        assert result.returncode == 2
+        assert result.stderr.splitlines() == [f"deadweight: error: {named}: not a regular file"]

@@ -193,10 +193,12 @@ def test_newer_schema_with_a_changed_layout_is_not_a_crash(capsys, tmp_path, com
     events.insert(2, {"event": "from_the_future", "x": 1})  # unknown kinds are ignored
     path = tmp_path / "newer.jsonl"
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
-    code, _, err = report(capsys, path)
-    assert code in (0, 1)
+    code, out, err = report(capsys, path)
+    # No step record could be read: an error naming the file, not a green "no findings".
+    assert code == 2 and out == ""
     assert "upgrade deadweight" in err
-    assert "'step' event(s) could not be read (KeyError: 'moved'); skipped" in err
+    assert f"{path}: none of its 7 step events could be read" in err
+    assert "a 'step' event without 'moved'; skipped" in err
     assert "Traceback" not in err
 
 
@@ -205,3 +207,187 @@ def test_several_runs_in_one_log_report_the_last(capsys, tmp_path, complete_log)
     path.write_text(complete_log + complete_log)
     code, _, err = report(capsys, path)
     assert code == 1 and "holds 2 runs; reporting the last one" in err
+
+
+# -- malformed input (issue 20): every bad line or field a note naming it, the rest used --
+
+
+def _lines(text: str) -> list[str]:
+    return text.splitlines(keepends=True)
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _write_events(path: Path, events: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("line", "note"),
+    [
+        ('{"event":"step","x":' + "[" * 200_000 + "]" * 200_000 + "}\n", "nests deeper than"),
+        ('{"event":"loss","n":' + "7" * 5000 + "}\n", "holds an integer of 5000 digits"),
+        ('{"event":"step","s":"' + "\\ud800" + '"}\n', "not"),  # a lone surrogate
+    ],
+    ids=["nested-200k-deep", "5000-digit-integer", "lone-surrogate"],
+)
+def test_a_hostile_line_is_skipped_and_the_rest_is_read(capsys, tmp_path, complete_log, line, note):
+    lines = _lines(complete_log)
+    lines.insert(3, line)
+    path = tmp_path / "hostile.jsonl"
+    path.write_text("".join(lines))
+    started = time.monotonic()
+    code, out, err = report(capsys, path)
+    assert time.monotonic() - started < 60  # generous: the fix reads it in well under 1 s
+    assert code == 1, err
+    assert "· 60 steps ·" in out.splitlines()[0] and "DW301" in out
+    assert f"{path}: line 4" in err and note in err
+    assert "Traceback" not in err
+
+
+def test_a_string_lr_drops_that_field_not_the_log(capsys, tmp_path, complete_log):
+    events = _events(complete_log)
+    for event in events:
+        if event["event"] == "optimizer":
+            event["groups"][0]["lr"] = "fast"
+        if event["event"] == "step":
+            event["lr"], event["lr_sum"] = ["fast"], ["fast"]
+    path = _write_events(tmp_path / "lr.jsonl", events)
+    code, out, err = report(capsys, path)
+    assert code == 1, err  # the parameters that never moved are still found
+    assert "DW301" in out and "l1.weight" in out
+    assert "line 2: an 'optimizer' event's group 'lr' is not a number or null; dropped" in err
+    steps = [n for n, e in enumerate(events, start=1) if e["event"] == "step"]
+    assert f"lines {steps[0]}-{steps[-1]}: a 'step' event's 'lr_sum' holds entries" in err
+    assert "Unknown format code" not in err and "could not be read" not in err
+
+
+@pytest.mark.parametrize("step", [-10, 10.5, "10", True, None])
+def test_a_step_that_is_not_a_count_is_rejected_with_a_note(capsys, tmp_path, complete_log, step):
+    events = _events(complete_log)
+    first = next(n for n, e in enumerate(events) if e["event"] == "step")
+    events[first]["step"] = step
+    path = _write_events(tmp_path / "step.jsonl", events)
+    code, out, err = report(capsys, path)
+    assert code == 1 and "· 60 steps ·" in out.splitlines()[0]
+    assert (
+        f"line {first + 1}: a 'step' event whose 'step' is not a non-negative integer; skipped"
+        in err
+    )
+
+
+def test_negative_steps_everywhere_are_an_error_not_no_findings(capsys, tmp_path, complete_log):
+    events = _events(complete_log)
+    for event in events:
+        if event["event"] == "step":
+            event["step"] = -event["step"]
+    path = _write_events(tmp_path / "negative.jsonl", events)
+    code, out, err = report(capsys, path)
+    assert code == 2 and out == ""
+    assert f"{path}: none of its 7 step events could be read" in err
+    assert "not a non-negative integer" in err and "no findings" not in out
+
+
+def test_arrays_shorter_than_the_parameters_reject_the_event(capsys, tmp_path, complete_log):
+    events = _events(complete_log)
+    last = max(n for n, e in enumerate(events) if e["event"] == "step")
+    events[last]["moved"] = events[last]["moved"][:1]
+    path = _write_events(tmp_path / "short.jsonl", events)
+    code, out, err = report(capsys, path)
+    assert code == 1 and "· 50 steps ·" in out.splitlines()[0]  # the record before it
+    assert f"line {last + 1}: a 'step' event whose 'moved' holds 1 entries for 3" in err
+
+
+def test_many_bad_lines_give_one_note(capsys, tmp_path, complete_log):
+    lines = _lines(complete_log)
+    lines[3:3] = ["{not json\n"] * 500
+    path = tmp_path / "noisy.jsonl"
+    path.write_text("".join(lines))
+    code, _, err = report(capsys, path)
+    assert code == 1
+    notes = [line for line in err.splitlines() if "not valid JSON" in line]
+    assert notes == [
+        f"deadweight: note: {path}: lines 4-503 are not valid JSON (Expecting property name "
+        "enclosed in double quotes); skipped"
+    ]
+
+
+@pytest.fixture(scope="module")
+def saved_report(complete_log: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    path = tmp_path_factory.mktemp("saved") / "run.jsonl"
+    path.write_text(complete_log)
+    result = dw("report", str(path), "--format", "json")
+    assert result.returncode == 1, result.stderr
+    return json.loads(result.stdout)
+
+
+BAD_REPORTS = {
+    "findings-not-a-list": lambda d: d.update(findings="abc"),
+    "finding-not-an-object": lambda d: d["findings"].append(5),
+    "line-a-string": lambda d: d["findings"][0].update(location={"line": "x"}),
+    "severity-unknown": lambda d: d["findings"][0].update(severity="fatal"),
+    "subject-a-list": lambda d: d.update(subject=[1]),
+    "loss-a-string": lambda d: d["subject"].update(loss="low"),
+    "params-numbers": lambda d: d["findings"][0].update(params=[1, 2]),
+    "a-json-list": lambda d: (d.clear(), d.update(kind="x", findings=[], subject={"tensors": 3})),
+}
+
+
+@pytest.mark.parametrize("mutate", list(BAD_REPORTS.values()), ids=list(BAD_REPORTS))
+def test_a_saved_report_of_wrong_types_is_an_error_and_the_rest_is_rendered(
+    capsys, tmp_path, complete_log, saved_report, mutate
+):
+    data = json.loads(json.dumps(saved_report))
+    mutate(data)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    log = tmp_path / "run.jsonl"
+    log.write_text(complete_log)
+    code = main(["report", str(bad), str(log)])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert f"deadweight: error: {bad} is not a valid deadweight report: " in err
+    assert "· 60 steps ·" in out and "DW301" in out  # the log is still reported
+    assert "Traceback" not in err
+
+
+def test_a_bad_saved_report_is_skipped_in_the_html_page(
+    capsys, tmp_path, complete_log, saved_report
+):
+    data = json.loads(json.dumps(saved_report))
+    data["findings"].append(5)
+    bad, log, page = tmp_path / "bad.json", tmp_path / "run.jsonl", tmp_path / "r.html"
+    bad.write_text(json.dumps(data))
+    log.write_text(complete_log)
+    code = main(["report", str(bad), str(log), "-o", str(page)])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert f"{bad} is not a valid deadweight report: finding 2 is not an object; skipped" in err
+    assert "DW301" in page.read_text()
+
+
+def test_a_deeply_nested_json_file_is_an_error_naming_it(capsys, tmp_path, complete_log):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    log = tmp_path / "run.jsonl"
+    log.write_text(complete_log)
+    code = main(["report", str(deep), str(log), "-o", str(tmp_path / "r.html")])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert f"{deep} is neither a watch event log nor deadweight's JSON output" in err
+    assert "nests deeper than" in err
+
+
+def test_a_fifo_input_is_refused_without_blocking(tmp_path, complete_log):
+    fifo = tmp_path / "run.jsonl"
+    os.mkfifo(fifo)
+    log = tmp_path / "good.jsonl"
+    log.write_text(complete_log)
+    for extra in ([], ["-o", str(tmp_path / "r.html")]):
+        result = dw("report", str(fifo), str(log), *extra)  # TIMEOUT guards a hang
+        assert result.returncode == 2
+        assert f"{fifo} is not a regular file" in result.stderr
+        assert "Traceback" not in result.stderr

@@ -21,7 +21,9 @@ from deadweight.cli import rules as rules_cmd
 from deadweight.cli import run as run_cmd
 from deadweight.cli import trend as trend_cmd
 from deadweight.cli._common import apply_config
+from deadweight.cli.config import print_config_notes
 from deadweight.errors import DeadweightError
+from deadweight.report.display import safe_text
 from deadweight.thresholds import using
 
 SUBCOMMANDS = (
@@ -62,7 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.freeze()
     try:
         # Every subcommand but `rules` and `config` judges by the project configuration.
-        limits = apply_config(args).thresholds if getattr(args, "reads_config", True) else None
+        limits = None
+        if getattr(args, "reads_config", True):
+            cfg = apply_config(args)
+            print_config_notes(cfg)
+            limits = cfg.thresholds
         with using(limits):
             return int(args.run(args))
     except DeadweightError as exc:
@@ -70,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cause is not None and not isinstance(cause, DeadweightError):
             # The user's own code failed: their traceback is what they need to see.
             traceback.print_exception(type(cause), cause, cause.__traceback__, file=sys.stderr)
-        print(f"deadweight: error: {exc}", file=sys.stderr)
+        print(safe_text(f"deadweight: error: {exc}"), file=sys.stderr)
         return ExitCode.USAGE
     except KeyboardInterrupt:
         print("deadweight: interrupted", file=sys.stderr)

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from deadweight.cli._common import add_config_options, project_config
 from deadweight.config import Config
+from deadweight.report.display import plain, safe_text
 
 HELP = "print the configuration in effect and where each value came from"
 DESCRIPTION = (
@@ -34,20 +37,28 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = project_config(args, Path(args.path) if args.path else None)
+    print_config_notes(cfg)
     if args.format == "json":
         print(json.dumps(as_dict(cfg), indent=2))
     elif args.format == "toml":
         print(as_toml(cfg))
     else:
         console = Console(highlight=False)
-        console.print(
-            f"[bold]configuration:[/] {cfg.path or 'none found; defaults'}", soft_wrap=True
-        )
+        # Paths and values are the project's text (a cloned repository's pyproject.toml):
+        # shown as text, never read as rich markup.
+        where = cfg.path or "none found; defaults"
+        console.print(Text.assemble(("configuration:", "bold"), " ", plain(where)), soft_wrap=True)
         table = Table("key", "value", "from", box=None, header_style="bold")
         for key, value in cfg.effective().items():
-            table.add_row(key, _toml_value(value), _short(cfg.source_of(key)))
+            table.add_row(plain(key), plain(_toml_value(value)), plain(_short(cfg.source_of(key))))
         console.print(table)
     return 0
+
+
+def print_config_notes(cfg: Config) -> None:
+    """One line per broken pyproject.toml passed over (it is not deadweight's)."""
+    for note in cfg.notes:
+        print(safe_text(f"deadweight: note: {note}"), file=sys.stderr)
 
 
 def as_dict(cfg: Config) -> dict[str, Any]:
