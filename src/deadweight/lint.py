@@ -8,7 +8,9 @@ Python files are read with the `ast` module, Rust files with tree-sitter (the `r
 extra). Settings come from `[tool.deadweight]` of the nearest pyproject.toml
 (`deadweight.config`); inline `# deadweight: ignore[DW501]` /
 `// deadweight: ignore[DW511]` comments silence single lines. A file that cannot be
-read or parsed is listed in `subject["errors"]` and the others are still linted.
+read or parsed, or is too large to parse (more bytes than `max_file_size`, or more
+tokens than `source_files.MAX_TOKENS`, which bounds the memory parsing takes), is
+listed in `subject["errors"]` and the others are still linted.
 """
 
 from __future__ import annotations
@@ -135,6 +137,10 @@ def _lint_file(
     data = source_files.read_bytes(item.path, max_file_size)
     if isinstance(data, SourceProblem):
         tally.problems.append(data)
+        return []
+    too_big = source_files.too_many_tokens(item.path, data)
+    if too_big is not None:  # what --max-file-size lets in may still be gigabytes to parse
+        tally.problems.append(too_big)
         return []
     facts: Any
     if item.language == "python":

@@ -106,7 +106,7 @@ def test_bad_files_among_good_ones(tmp_path: Path) -> None:
     (tmp_path / "latin.py").write_bytes(b"x = '\xe9'\n")
     os.symlink(tmp_path, tmp_path / "loop")
     result = dw(".", cwd=tmp_path)
-    assert result.returncode == 1  # findings from model.py; the rest are diagnostics
+    assert result.returncode == 2  # not all of it could be linted: more than a finding
     errors = sorted(result.stderr.splitlines())
     assert errors[0].startswith("broken.py:1:") and ": error: syntax error" in errors[0]
     assert errors[1].startswith("latin.py:1:6: error: not valid UTF-8")
@@ -146,3 +146,59 @@ def test_configuration_from_pyproject(tmp_path: Path) -> None:
     result = dw("pkg", cwd=tmp_path)
     assert result.returncode == 0, result.stdout
     assert "no findings" in result.stdout
+
+
+def test_exit_2_when_any_input_was_skipped_and_the_rest_still_linted(tmp_path: Path) -> None:
+    write(tmp_path, CLEAN, "clean.py")
+    write(tmp_path, "def broken(:\n", "broken.py")
+    os.mkfifo(tmp_path / "x.py")  # must be neither opened for reading nor waited on
+    result = dw(".", "--format", "json", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    report = json.loads(result.stdout)
+    assert report["subject"]["files"] == 1 and report["findings"] == []
+    assert sorted(result.stderr.splitlines()) == [
+        "broken.py:1:12: error: syntax error: invalid syntax; not linted",
+        "x.py: error: not a regular file; not linted",
+    ]
+
+
+def test_a_fifo_named_on_the_command_line_does_not_hang(tmp_path: Path) -> None:
+    write(tmp_path, CUT, "model.py")
+    os.mkfifo(tmp_path / "x.py")
+    result = dw("x.py", "model.py", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == "x.py: error: not a regular file; not linted\n"
+    assert "model.py:11:14: DW501" in result.stdout  # findings are still reported
+
+
+# Measures the peak memory of one `deadweight lint` run (the largest child of a fresh
+# parent, so no other test's subprocess can count).
+PEAK_RSS = """
+import resource, subprocess, sys
+done = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+print(done.returncode)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)  # KiB on Linux
+sys.stderr.write(done.stderr)
+"""
+
+
+def test_memory_is_bounded_on_a_large_dense_file(tmp_path: Path) -> None:
+    """Parsing costs memory per token, not per byte: a 6 MiB list of integers took 3 GB
+    (about 500 bytes a token) with the size limit raised. Such a file is reported."""
+    big = tmp_path / "table.py"
+    big.write_text("x = [" + "1," * (3 * 2**20) + "]\n")
+    write(tmp_path, CUT, "model.py")
+    command = [sys.executable, "-m", "deadweight", "lint", "--max-file-size", "100"]
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, *command, str(big), str(tmp_path / "model.py")],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=ENV,
+    )
+    code, peak_kib = map(int, done.stdout.split())
+    assert code == 2, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"{big}: error: about 6.3 million tokens")
+    # deadweight itself (torch imported) takes about 0.25 GiB; parsing the file 3 GiB
+    assert peak_kib < 1.25 * 2**20, f"{peak_kib / 2**20:.2f} GiB"

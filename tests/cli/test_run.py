@@ -134,10 +134,10 @@ def test_a_script_that_raises_shows_its_traceback_and_the_report(tmp_path):
     assert events(tmp_path, "end")[0]["reason"] == "raised ValueError: bad batch 42"
 
 
-def _start_forever(tmp_path: Path) -> subprocess.Popen:
-    path = tmp_path / "script.py"
+def _start_forever(tmp_path: Path, log: str = "run.jsonl") -> subprocess.Popen:
+    path = tmp_path / "forever.py"
     path.write_text(textwrap.dedent(FOREVER))
-    log = tmp_path / "run.jsonl"
+    log = tmp_path / log
     command = ["deadweight", "run", "--every", "5", "--log", str(log), "--", sys.executable]
     proc = subprocess.Popen(
         [sys.executable, "-m", *command, str(path)],
@@ -346,3 +346,148 @@ def test_torch_is_not_imported_for_processes_that_do_not_use_it(tmp_path):
     )
     assert "before False" in done.stdout
     assert "threads 1" in done.stdout
+
+
+# -- the event log never costs the user a file (issue 20) ---------------------------------
+
+MARKS_THAT_IT_RAN = "open('ran', 'w').write('yes')\n"
+
+
+def dw_log(tmp_path: Path, log: str, *command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "deadweight", "run", "--log", log, "--", *command],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=tmp_path,
+        env=ENV,
+    )
+
+
+def test_an_existing_file_that_is_not_a_log_is_refused_before_the_script_starts(tmp_path):
+    (tmp_path / "notes.md").write_text("x\n")
+    result = dw_log(tmp_path, "notes.md", sys.executable, "-c", MARKS_THAT_IT_RAN)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("deadweight: error: --log ") and "notes.md" in line
+    assert "is not a deadweight event log" in line
+    assert (tmp_path / "notes.md").read_text() == "x\n"
+    assert not (tmp_path / "ran").exists()
+
+
+def test_the_script_itself_as_log_is_refused(tmp_path):
+    (tmp_path / "t.py").write_text(MARKS_THAT_IT_RAN)
+    result = dw_log(tmp_path, "t.py", sys.executable, "t.py")
+    assert result.returncode == 2 and "is not a deadweight event log" in result.stderr
+    assert (tmp_path / "t.py").read_text() == MARKS_THAT_IT_RAN
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "empty"])
+def test_a_log_path_that_cannot_be_a_log_is_a_clear_error(tmp_path, kind):
+    target = tmp_path / "log"
+    if kind == "directory":
+        target.mkdir()
+        (target / "keep").write_text("k")
+    elif kind == "fifo":
+        os.mkfifo(target)
+    else:  # an empty file may be anything (a package's __init__.py): not ours to fill
+        target.write_text("")
+    result = dw_log(tmp_path, "log", sys.executable, "-c", MARKS_THAT_IT_RAN)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("deadweight: error: --log ") and "Traceback" not in result.stderr
+    assert not (tmp_path / "ran").exists()
+    if kind == "directory":
+        assert "is a directory" in line and (target / "keep").read_text() == "k"
+    else:
+        assert target.exists()
+
+
+def test_files_that_only_start_like_the_log_are_never_touched(tmp_path):
+    """`--log data` once removed data.rankings.csv and data.pidmap.txt (a prefix match)."""
+    keep = {
+        "data.rankings.csv": "r\n",
+        "data.pidmap.txt": "p\n",
+        "data.rank1.jsonl.bak": "b\n",
+        "data.rank2.jsonl": "a user's file that happens to have a rank log's name\n",
+    }
+    for name, text in keep.items():
+        (tmp_path / name).write_text(text)
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(NESTED_RANKED))
+    result = dw_log(tmp_path, "data", sys.executable, str(script))
+    assert result.returncode == 0, result.stderr
+    for name, text in keep.items():
+        assert (tmp_path / name).read_text() == text, name
+    # rank 2 of the run could not have its log there, and says so; rank 1 wrote its own
+    assert "data.rank2.jsonl" in result.stderr and "not writing" in result.stderr
+    assert [e["event"] for e in read_log(tmp_path / "data.rank1.jsonl").events].count("step") == 2
+    others = next(line for line in result.stderr.splitlines() if "other process" in line)
+    assert others.endswith(f"{tmp_path / 'data.rank1.jsonl'}")
+
+
+# Two nested processes with RANK set, as torchrun starts them (a rank log each).
+NESTED_RANKED = """
+import os, subprocess, sys
+import torch
+
+child = '''
+import torch
+m = torch.nn.Linear(2, 2)
+o = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(2):
+    o.zero_grad(); m(torch.ones(1, 2)).sum().backward(); o.step()
+'''
+m = torch.nn.Linear(2, 1)
+o = torch.optim.SGD(m.parameters(), lr=0.1)
+o.zero_grad(); m(torch.ones(1, 2)).sum().backward(); o.step()
+for rank in ("1", "2"):
+    subprocess.run([sys.executable, "-c", child], check=True, env={**os.environ, "RANK": rank})
+"""
+
+
+def test_a_rerun_replaces_the_earlier_runs_own_logs(tmp_path):
+    first = dw_run(tmp_path, NESTED, "--every", "1")
+    assert first.returncode == 0, first.stderr
+    (stale,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.pid")]
+    second = dw_run(tmp_path, NESTED, "--every", "1")
+    assert second.returncode == 0, second.stderr
+    assert len(events(tmp_path, "start")) == 1  # replaced, not appended to
+    assert not stale.exists()  # the earlier run's nested log is gone, this one's is listed
+    (fresh,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.pid")]
+    assert str(fresh) in second.stderr and str(stale) not in second.stderr
+
+
+def test_a_log_held_by_a_live_run_is_refused_and_left_alone(tmp_path):
+    proc = _start_forever(tmp_path)  # writes run.jsonl, and keeps running
+    try:
+        log = tmp_path / "run.jsonl"
+        second = dw_log(tmp_path, str(log), sys.executable, "-c", MARKS_THAT_IT_RAN)
+        assert second.returncode == 2, second.stderr
+        assert "another deadweight run" in second.stderr and "still running" in second.stderr
+        assert not (tmp_path / "ran").exists()
+        assert proc.poll() is None
+        size = log.stat().st_size
+        deadline = time.monotonic() + TIMEOUT
+        while log.stat().st_size == size:  # the first run still writes its own log
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert read_log(log).events[0]["event"] == "start"
+    finally:
+        _kill_group(proc)
+
+
+def test_a_concurrent_run_whose_log_looks_like_a_rank_log_is_not_reported_or_removed(tmp_path):
+    """Run B logs to run.rank1.jsonl while run A (log run.jsonl) starts: A must neither
+    remove B's live log nor report it as one of its own."""
+    proc = _start_forever(tmp_path, log="run.rank1.jsonl")
+    try:
+        a = dw_run(tmp_path, NESTED, "--every", "1")
+        assert a.returncode == 0, a.stderr
+        assert (tmp_path / "run.rank1.jsonl").exists()
+        others = next(line for line in a.stderr.splitlines() if "other process" in line)
+        assert "run.rank1.jsonl" not in others and "run.pid" in others
+        assert proc.poll() is None
+    finally:
+        _kill_group(proc)

@@ -12,7 +12,9 @@ from deadweight.cli._common import add_report_options
 from deadweight.errors import InputError
 from deadweight.findings import Severity
 from deadweight.lint import AUTO, lint_paths
+from deadweight.probes.source_files import MAX_TOKENS
 from deadweight.report import Report
+from deadweight.report.display import safe_text
 from deadweight.report.sarif import render_sarif
 from deadweight.report.text import render
 
@@ -22,7 +24,8 @@ DESCRIPTION = (
     "pyproject.toml, per linted file; "
     "'# deadweight: ignore[DW501]' (Python) or '// deadweight: ignore[DW511]' (Rust) "
     "silences one line. Exit codes: 0 nothing at or above --fail-on, 1 something, "
-    "2 bad arguments or configuration, or no file could be read."
+    "2 bad arguments or configuration, or some input could not be linted (each is named "
+    "on stderr with the reason; all the others are still linted and reported)."
 )
 
 
@@ -38,7 +41,9 @@ def add_parser(sub: Any) -> None:
     )
     parser.add_argument(
         "--max-file-size", type=float, default=10.0, metavar="MIB",
-        help="larger files are reported instead of parsed (default: 10)",
+        help="larger files are reported instead of parsed (default: 10); so is a file of "
+        f"more than {MAX_TOKENS / 1e6:.0f} million tokens, whatever its size, as parsing it "
+        "would take gigabytes",
     )  # fmt: skip
     # select / ignore are merged with each file's own nearest configuration, in lint_paths
     parser.set_defaults(run=run, merges_rules=False)
@@ -64,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
         where = error["file"] + "".join(
             f":{error[k]}" for k in ("line", "column") if error.get(k) is not None
         )
-        print(f"{where}: error: {error['message']}", file=sys.stderr)
+        print(safe_text(f"{where}: error: {error['message']}"), file=sys.stderr)
+    if errors:  # a result that left inputs out must not pass for a clean one
+        return 2
     if report.subject["files"] == 0:
-        if errors:
-            return 2
         print("deadweight: warning: no Python (.py) or Rust (.rs) files found", file=sys.stderr)
     fail_on = None if args.fail_on == "never" else Severity.parse(args.fail_on)
     return 1 if report.failed(fail_on) else 0

@@ -5,18 +5,28 @@ optimizer hooks before the script's first line (see `deadweight.zero_code`). Whe
 it ends, however it ends (exit, exception, Ctrl-C, kill), the report is rebuilt
 from the event log and printed, and the script's own exit code is returned. A
 SIGTERM sent to deadweight is passed on to the script at once.
+
+The log never costs the user a file. `--log PATH` may name a new file or an earlier
+run's own log (its first line is a deadweight start event), which is replaced; anything
+else (a directory, a FIFO, an empty or any other file) is refused before the script
+starts. While the run lasts deadweight holds an exclusive lock on the log, so a second
+run with the same log (two runs with the default, in one folder) is refused rather
+than taking it over. The rank and pid logs beside it (`STEM.rankN.EXT`,
+`STEM.pidN.EXT`, exactly) that are earlier runs' logs are removed; those written by
+this run carry its `run_id`, and only those are listed after the report.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
+import uuid
 from types import FrameType
 from typing import Any
 
@@ -24,8 +34,20 @@ import deadweight
 from deadweight.cli._common import add_html_option, add_report_options, emit
 from deadweight.cli.report import load_log
 from deadweight.errors import InputError
+from deadweight.probes.event_log import process_logs_beside, read_start
 from deadweight.registry import Selection
-from deadweight.zero_code import ENV_EVERY, ENV_FULL, ENV_LOG
+from deadweight.report.display import safe_text
+from deadweight.zero_code import ENV_EVERY, ENV_FULL, ENV_LOG, ENV_RUN_ID
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks, so no refusal
+    fcntl = None  # type: ignore[assignment]
+
+# Opening without waiting (should a FIFO appear at the path) and keeping the descriptor
+# out of the script's process; both absent on Windows.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 HELP = "run a training script with every optimizer it creates watched"
 # A Ctrl-C at the terminal reaches the script itself (same foreground process group),
@@ -68,22 +90,31 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise InputError(str(exc)) from None
     log = os.path.abspath(args.log)
-    for stale in [log, *_other_logs(log)]:  # an earlier run's logs must not pass for this one's
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(stale)
+    held = _claim_log(args.log, log)  # before the script starts: a refusal costs nothing
+    try:
+        return _run_and_report(command, log, held, args)
+    finally:
+        os.close(held)  # releases the lock
+
+
+def _run_and_report(command: list[str], log: str, held: int, args: argparse.Namespace) -> int:
+    run_id = uuid.uuid4().hex
+    _remove_stale_process_logs(log)
     env = dict(os.environ)
     bootstrap = os.path.join(os.path.dirname(deadweight.__file__), "_bootstrap")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap, env.get("PYTHONPATH")) if p)
     env[ENV_LOG] = log
     env[ENV_EVERY] = str(args.every)
     env[ENV_FULL] = "1" if args.full else "0"
+    env[ENV_RUN_ID] = run_id
     try:
         child = subprocess.Popen(command, env=env)
     except OSError as exc:
+        _remove_if_empty(log, held)
         raise InputError(f"cannot run {command[0]!r}: {exc}") from None
     code = _wait(child)
     print(file=sys.stderr)
-    if not os.path.exists(log):
+    if _remove_if_empty(log, held):
         print(
             "deadweight: the command stepped no optimizer, so there is nothing to report",
             file=sys.stderr,
@@ -92,29 +123,143 @@ def run(args: argparse.Namespace) -> int:
     try:
         ((report, stats),) = load_log(log, args.select, args.ignore)
     except Exception as exc:  # an empty log (killed at once) or a deadweight bug
-        print(f"deadweight: no report: {exc}", file=sys.stderr)
+        print(safe_text(f"deadweight: no report: {exc}"), file=sys.stderr)
         return code
     for problem in report.subject.get("problems", []):
-        print(f"deadweight: note: {problem}", file=sys.stderr)
+        print(safe_text(f"deadweight: note: {problem}"), file=sys.stderr)
     failed = emit(report, args, stats)
-    print(f"deadweight: event log {log}", file=sys.stderr)
-    others = _other_logs(log)
+    print(safe_text(f"deadweight: event log {log}"), file=sys.stderr)
+    others = _this_runs_process_logs(log, run_id)
     if others:
         print(
-            f"deadweight: {len(others)} other process(es) of the run wrote their own logs "
-            f"(`deadweight report` shows each): {', '.join(others)}",
+            safe_text(
+                f"deadweight: {len(others)} other process(es) of the run wrote their own logs "
+                f"(`deadweight report` shows each): {', '.join(others)}"
+            ),
             file=sys.stderr,
         )
     return code if code != 0 else failed
 
 
-def _other_logs(log: str) -> list[str]:
-    """Logs of torchrun ranks (LOG.rankN.jsonl) and of nested scripts (LOG.pidN.jsonl)."""
-    stem, ext = os.path.splitext(log)
-    found = glob.glob(f"{glob.escape(stem)}.rank*{ext}") + glob.glob(
-        f"{glob.escape(stem)}.pid*{ext}"
-    )
-    return sorted(found)
+def _claim_log(shown: str, log: str) -> int:
+    """Create the log, or take over an earlier run's own log, and lock it for this run.
+
+    Returns the locked descriptor; raises InputError for anything that is not ours to
+    write (the file is left as it was)."""
+    where = f"--log {shown}"
+    if os.path.isdir(log) or shown.endswith(("/", os.sep)):
+        raise InputError(
+            f"{where}: is a directory; give the log file's path, "
+            f"e.g. --log {os.path.join(shown, 'deadweight-run.jsonl')}"
+        )
+    try:
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{where}: cannot create its folder: {exc.strerror or exc}") from None
+    try:  # a new file: nobody else's
+        held = os.open(log, os.O_RDWR | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o666)
+    except FileExistsError:
+        held = _take_over(where, log)
+    except OSError as exc:
+        raise InputError(f"{where}: cannot create it: {exc.strerror or exc}") from None
+    else:
+        if not _lock(held):  # created this instant by another run that locked it first
+            os.close(held)
+            raise InputError(f"{where}: is the event log of another deadweight run that is "
+                             "still running; choose another --log")  # fmt: skip
+    return held
+
+
+def _take_over(where: str, log: str) -> int:
+    """An existing file at the log path: ours to replace only if it is an earlier run's log."""
+    try:
+        info = os.stat(log)
+    except OSError as exc:  # a symbolic link to nowhere, a path through a file
+        what = "a symbolic link to nowhere" if os.path.islink(log) else exc.strerror or exc
+        raise InputError(f"{where}: {what}; choose another --log") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise InputError(f"{where}: exists and is not a regular file; choose another --log")
+    try:
+        held = os.open(log, os.O_RDWR | _NONBLOCK | _CLOEXEC)
+    except OSError as exc:
+        raise InputError(f"{where}: cannot open it: {exc.strerror or exc}") from None
+    try:
+        if not _lock(held):
+            other = read_start(log) or {}
+            pid = other.get("pid")
+            by = f" (its script: pid {pid})" if isinstance(pid, int) else ""
+            raise InputError(f"{where}: is the event log of another deadweight run that is "
+                             f"still running{by}; choose another --log")  # fmt: skip
+        mine = os.fstat(held)
+        start = read_start(log)
+        same = os.stat(log)
+        if start is None or (same.st_dev, same.st_ino) != (mine.st_dev, mine.st_ino):
+            empty = " (it is empty)" if mine.st_size == 0 else ""
+            raise InputError(
+                f"{where}: exists and is not a deadweight event log{empty}; deadweight run "
+                "replaces only its own logs: choose another --log or remove the file"
+            )
+        os.ftruncate(held, 0)  # an earlier run's log must not pass for this one's
+    except BaseException:
+        os.close(held)
+        raise
+    return held
+
+
+def _lock(fd: int) -> bool:
+    """An exclusive lock for as long as `fd` is open; False when another process holds it."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # a file system without locks: nothing to refuse on
+        return True
+    return True
+
+
+def _remove_if_empty(log: str, held: int) -> bool:
+    """Remove the log this run created when nothing was written to it (no optimizer stepped)."""
+    mine = os.fstat(held)
+    if mine.st_size:
+        return False
+    with contextlib.suppress(OSError):
+        now = os.stat(log)
+        if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            os.remove(log)
+    return True
+
+
+def _remove_stale_process_logs(log: str) -> None:
+    """Earlier runs' rank and pid logs beside the log: they must not pass for this run's.
+
+    Only files named exactly so and holding a deadweight log are removed, and none that a
+    live run holds (another run's main log can have such a name)."""
+    for path in process_logs_beside(log):
+        if read_start(path) is None:
+            continue  # not a deadweight log: not ours to remove
+        try:
+            fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if _lock(fd):
+                os.remove(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _this_runs_process_logs(log: str, run_id: str) -> list[str]:
+    """Logs of torchrun ranks (LOG.rankN.jsonl) and of nested scripts (LOG.pidN.jsonl)
+    written by this run."""
+    return [
+        path
+        for path in process_logs_beside(log)
+        if (read_start(path) or {}).get("run_id") == run_id
+    ]
 
 
 def _wait(child: subprocess.Popen[bytes]) -> int:
