@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -509,3 +510,88 @@ def test_parameters_unchanged_with_optimizer_step_in_backward_hooks() -> None:
     deadweight.check(model, lambda: model(x).pow(2).mean())
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before[name]), name
+
+
+# -- autograd version counters, requires_grad and the other invisible state --------
+
+
+def _tensor_state(model: nn.Module) -> dict[str, tuple[Any, ...]]:
+    state: dict[str, tuple[Any, ...]] = {}
+    for n, p in model.named_parameters():
+        state["p:" + n] = (p._version, p.requires_grad, p.data_ptr(), p.dtype, tuple(p.shape))
+    for n, b in model.named_buffers():
+        state["b:" + n] = (b._version, b.data_ptr())
+    return state
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_version_counters_and_requires_grad_unchanged(scenario: str) -> None:
+    # BatchNorm's running stats are updated by the forward and restored in place: the
+    # restore must not leave their version counters bumped (a graph that saved them
+    # would refuse to backward).
+    model, loss_fn = _setup(scenario)
+    model.fc2.bias.requires_grad_(False)
+    before = _tensor_state(model)
+    _run(model, loss_fn, scenario)
+    assert _tensor_state(model) == before
+
+
+def test_version_counters_unchanged_after_probes() -> None:
+    from deadweight.demos import layer_scalar_drift
+
+    setup = layer_scalar_drift.make()
+    before = _tensor_state(setup.model)
+    values = {n: p.detach().clone() for n, p in setup.model.named_parameters()}
+    report = deadweight.check(setup.model, setup.loss, setup.optimizer)
+    assert report.by_code("DW104")  # the probes did scale the scalar
+    assert _tensor_state(setup.model) == before
+    for n, p in setup.model.named_parameters():
+        assert torch.equal(p.detach(), values[n]), n
+
+
+def test_everything_unchanged_in_one_go() -> None:
+    """Values, requires_grad, .grad, training modes, RNG state and _version together."""
+    model, loss_fn = _setup("healthy")
+    model.fc1.weight.grad = torch.full_like(model.fc1.weight, 0.5)
+    grad = model.fc1.weight.grad
+    model.drop.eval()
+    values = {n: t.detach().clone() for n, t in model.state_dict(keep_vars=True).items()}
+    state = _tensor_state(model)
+    modes = {n: m.training for n, m in model.named_modules()}
+    rng = torch.get_rng_state()
+    deadweight.check(model, loss_fn)
+    assert _tensor_state(model) == state
+    assert {n: m.training for n, m in model.named_modules()} == modes
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.fc1.weight.grad is grad and torch.equal(grad, torch.full_like(grad, 0.5))
+    assert all(p.grad is None for n, p in model.named_parameters() if n != "fc1.weight")
+    for n, t in model.state_dict(keep_vars=True).items():
+        assert torch.equal(t.detach(), values[n]), n
+
+
+def test_embedding_max_norm_restore_keeps_version() -> None:
+    emb = nn.Embedding(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        emb.weight.mul_(5.0)
+    model = nn.Sequential(emb, nn.Linear(4, 1))
+    ids = torch.tensor([1, 2, 3])
+    before = _tensor_state(model)
+    report = deadweight.check(model, lambda: model(ids).sum())
+    assert _tensor_state(model) == before
+    # a documented in-place renormalisation, not a bug: no DW109
+    assert not report.by_code("DW109")
+
+
+def test_a_version_counter_that_cannot_be_put_back_is_said_in_the_subject(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from deadweight.probes import state
+
+    model, loss_fn = _setup("healthy")
+    monkeypatch.setattr(state, "_SET_VERSION", None)  # a torch without the call
+    report = deadweight.check(model, loss_fn)
+    # BatchNorm's three buffers, at least, were restored in place
+    note = report.subject["state_note"]
+    assert re.search(r"version counters of ([3-9]|\d\d+) tensor\(s\) could not be put back", note)
+    monkeypatch.undo()
+    assert "state_note" not in deadweight.check(model, loss_fn).subject

@@ -34,9 +34,14 @@ def check(
 
     `loss_fn` is a zero-argument callable returning the scalar loss, like an
     optimizer closure: ``lambda: F.cross_entropy(model(x), y)``. It is run once with
-    one backward; the optimizer is never stepped. Parameters, their `.grad`,
-    buffers, train/eval modes and RNG states are left as they were, and no hook is
-    left behind, also when `loss_fn` raises (`LossFnError`, chained to the original).
+    one backward, and re-run under no_grad only to confirm candidates for a
+    cancelled parameter (one re-run per group of them, typically; a healthy model
+    takes 1 call in all); the optimizer is never stepped. Parameters (values and
+    autograd version counters), their `.grad`, buffers, train/eval modes and RNG
+    states are left as they were, so a graph the caller built before the check
+    still backwards after it, and no hook is left behind, also when `loss_fn` raises
+    (`LossFnError`, chained to the original). A forward that writes to parameters
+    itself (`.data`, under no_grad) is undone and reported (DW109).
 
     `select` / `ignore` take rule codes (`DW101`), code prefixes (`DW1`) or names.
     `config` reads the project configuration (True: the nearest deadweight.toml or
@@ -75,6 +80,8 @@ def check(
     findings = [f for r in rules_consuming(GradFlowStats) for f in r.judge(stats)]
     trainable = [p for p in stats.params if p.trainable]
     extra: dict[str, Any] = {}
+    if stats.state_note is not None:
+        extra["state_note"] = stats.state_note
     if ranks is not None:
         findings, extra["distributed"] = _combine_ranks(ranks, model, stats, findings)
         if shards is not None:

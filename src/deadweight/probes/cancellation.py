@@ -54,7 +54,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from deadweight.probes import autograd_graph
+from deadweight.probes import autograd_graph, state
 from deadweight.probes.sites import Site, user_site
 
 Tensor = torch.Tensor
@@ -1662,6 +1662,7 @@ def confirm(
             return None
         budget[0] -= 1
         saved = [p.param.detach().clone() for p in group]
+        versions = state.versions_of([p.param for p in group])
         share = exponents(group)
         try:
             with torch.no_grad():
@@ -1678,6 +1679,9 @@ def confirm(
             with torch.no_grad():
                 for p, s in zip(group, saved, strict=True):
                     p.param.copy_(s)
+            # values back bitwise, so the version counters too (a graph of the user's
+            # own forward may have saved these parameters)
+            state.set_versions([p.param for p in group], versions)
 
     def verdicts(group: list[_Probe]) -> dict[str, tuple[bool, dict[str, Any]]] | None:
         first = run(group, 0)

@@ -1,4 +1,4 @@
-"""Measure gradient flow: run the user's loss once, backward once, and record what happened.
+"""Measure gradient flow: run the user's loss and one backward, and record what happened.
 
 `measure_grad_flow` produces `GradFlowStats`: per parameter whether a gradient
 arrived, and the *candidate cuts* that could explain a missing one, each with the
@@ -28,9 +28,11 @@ from deadweight.probes.op_trace import OpTracer, op_name, tensors_in
 from deadweight.probes.optimizer_groups import OptimizerFacts, optimizer_facts
 from deadweight.probes.sites import Site, definition_site
 from deadweight.probes.state import (
+    ParamWrite,
     grads_set_aside,
     post_accumulate_hooks_suspended,
     preserved,
+    unrestored_versions,
 )
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,10 @@ class GradFlowStats:
     structure_note: str | None = None
     loss_eps: float = float(torch.finfo(torch.float32).eps)
     optimizer_facts: OptimizerFacts | None = None
+    # Parameters whose values a forward run by the check changed (and whether they
+    # were put back): a forward that writes `.data` changes the model every step.
+    param_writes: list[ParamWrite] = field(default_factory=list)
+    state_note: str | None = None  # what of the model's state could not be put back
 
     def param(self, name: str) -> ParamInfo:
         return self._by_name[name]
@@ -170,12 +176,12 @@ def measure_grad_flow(
     trainable = [(n, p) for n, p in named if p.requires_grad]
     in_opt = _optimizer_param_ids(optimizer)
 
-    versions = {id(p): p._version for _, p in named}
     # FSDP2's forward uses unsharded stand-ins for the parameters, which the pass would
     # not recognise: there the numerical screens decide alone.
     structure = (
         StructureTracker({id(p): p for _, p in trainable}, names_by_id) if shards is None else None
     )
+    unrestored_versions()  # count this check's failures only
     with preserved(model) as guard:
         modules = ModuleTracer(model)
         if structure is not None:
@@ -231,18 +237,9 @@ def measure_grad_flow(
                 )
                 cuts.extend(dropped_cuts)
 
-            unrestorable = [
-                n for n, p in named if p._version != versions[id(p)] and not guard.guards(p)
-            ]
-            if unrestorable:
-                # Written in place by a call the tracer could not see into; copying every
-                # parameter up front to undo this would double the model's memory.
-                log.warning(
-                    "the forward wrote to %d parameter(s) in place (%s); their values "
-                    "could not be restored",
-                    len(unrestorable),
-                    _few(unrestorable),
-                )
+            # What the forward wrote to parameters goes back before any re-run, so the
+            # probes re-run the forward from the values the checked one started from.
+            guard.restore()
             reached_ids = set(reached)
             for sharded_id, leaf in unsharded.items():
                 if id(leaf) in reached_ids:
@@ -335,6 +332,16 @@ def measure_grad_flow(
                     runnable=runnable,
                 )
 
+    param_writes = guard.writes()
+    if param_writes:
+        log.debug("the forward wrote to parameters: %s", param_writes)
+    lost_versions = unrestored_versions()
+    state_note = (
+        f"the autograd version counters of {lost_versions} tensor(s) could not be put back: "
+        "a graph built before the check that saved them will refuse to backward"
+        if lost_versions
+        else None
+    )
     if shards is not None:
         structural = _Structural({}, frozenset(), frozenset(n for n, _ in trainable), None)
     roles = param_roles.parameter_roles(model)
@@ -381,6 +388,8 @@ def measure_grad_flow(
         cuts=cuts,
         backward_error=backward_error,
         grads=grads,
+        param_writes=param_writes,
+        state_note=state_note,
     )
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from deadweight import thresholds
+from deadweight.probes import state
 
 # A first-order relative loss change below this makes a parameter a candidate. In a
 # small reproduction of the layer-scalar incident the cancelled scalar scored 7e-7
@@ -196,6 +197,9 @@ def confirm(
     def probe(group: list[_Candidate]) -> tuple[float | None, bool]:
         """(relative change at the first point, invariant) for the group, restored after."""
         saved = [c.param.detach().clone() for c in group]
+        # The values come back bitwise, and so do the version counters: a graph the
+        # user holds from their own forward must still backward after the check.
+        versions = state.versions_of([c.param for c in group])
         try:
             kind = group[0].kind
             spread = {id(c): 1.0 + 0.25 * (i % 8) for i, c in enumerate(group)}
@@ -219,6 +223,7 @@ def confirm(
             with torch.no_grad():
                 for c, s in zip(group, saved, strict=True):
                     c.param.copy_(s)
+            state.set_versions([c.param for c in group], versions)
 
     def record(group: list[_Candidate], change: float | None, invariant: bool) -> None:
         for c in group:

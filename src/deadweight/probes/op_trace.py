@@ -92,7 +92,7 @@ class OpTracer(TorchFunctionMode):
         self,
         current_module: Callable[[], str | None] = lambda: None,
         params: dict[int, Tensor] | None = None,
-        before_param_write: Callable[[Tensor], None] | None = None,
+        before_param_write: Callable[[Tensor, str, str, Site | None], None] | None = None,
         structure: StructureTracker | None = None,
     ) -> None:
         super().__init__()
@@ -102,6 +102,15 @@ class OpTracer(TorchFunctionMode):
         self._current_module = current_module
         self._params = params or {}
         self._before_param_write = before_param_write
+        # Parameters by the address of their storage: an in-place op on `p.data`,
+        # `p.detach()` or a view of them writes the parameter through another tensor.
+        self._param_storage: dict[int, list[Tensor]] = {}
+        if before_param_write is not None:
+            for p in self._params.values():
+                ptr = _storage_ptr(p)
+                if ptr:  # 0: an empty storage, shared by every empty tensor
+                    self._param_storage.setdefault(ptr, []).append(p)
+        self._written: set[int] = set()
         # Leaf tensors used inside autograd.Function forwards (reentrant checkpoint
         # segments): backward reaches them, but the graph does not show them beforehand.
         self.leaves_inside_functions: dict[int, Tensor] = {}
@@ -143,11 +152,8 @@ class OpTracer(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         pre_roots = _grad_roots(args, kwargs) if func is _DETACH_INPLACE else None
-        if self._before_param_write is not None and _writes_in_place(func, args, kwargs):
-            # e.g. nn.Embedding(max_norm=...) renormalises its weight in place
-            for value in _flat_args(args, kwargs):
-                if isinstance(value, Tensor) and id(value) in self._params:
-                    self._before_param_write(value)
+        if self._before_param_write is not None:
+            self._note_param_writes(func, args, kwargs)
         out = func(*args, **kwargs)
 
         if self._functions:
@@ -210,6 +216,32 @@ class OpTracer(TorchFunctionMode):
                 # torch.from_numpy is invisible to the mode; its tensor shares this memory.
                 self._ptr_taint[out.__array_interface__["data"][0]] = taint
         return out
+
+    def _note_param_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Tell `before_param_write` about every parameter this call is about to write:
+        in place (e.g. nn.Embedding(max_norm=...) renormalises its weight), through a
+        tensor sharing its memory (`p.data.mul_`, `p.detach()[0].fill_`), or by
+        rebinding `p.data`."""
+        assert self._before_param_write is not None
+        if getattr(func, "__self__", None) is _DATA and getattr(func, "__name__", "") == "__set__":
+            if args and id(args[0]) in self._params:
+                self._param_written(args[0], "rebind", "Tensor.data (assigned)")
+            return
+        if not _writes_in_place(func, args, kwargs):
+            return
+        for target in _write_targets(func, args, kwargs):
+            if id(target) in self._params:
+                self._param_written(target, "in-place", op_name(func))
+            elif self._param_storage:
+                for p in self._param_storage.get(_storage_ptr(target), ()):
+                    self._param_written(p, "alias", op_name(func))
+
+    def _param_written(self, param: Tensor, how: str, op: str) -> None:
+        first = id(param) not in self._written
+        self._written.add(id(param))
+        assert self._before_param_write is not None
+        # The line is looked up once per parameter: a frame walk is not free.
+        self._before_param_write(param, how, op, user_site() if first else None)
 
     # -- autograd.Function -------------------------------------------------------
     def _patch_function_apply(self) -> None:
@@ -337,11 +369,52 @@ def _writes_in_place(func: Any, args: tuple, kwargs: dict) -> bool:
     name = getattr(func, "__name__", "")
     if (name.endswith("_") and not name.endswith("__")) or "out" in kwargs:
         return True
+    if name in _INPLACE_DUNDERS:
+        return True
     # F.embedding(max_norm=...) renormalises rows of its weight in place, inside the
     # call, where a mode no longer sees the in-place op.
     return func is F.embedding and (
         kwargs.get("max_norm") is not None or (len(args) > 3 and args[3] is not None)
     )
+
+
+# In-place operator methods: `x[i] = v`, `x *= 2` (most dispatch to `mul_` and co,
+# which the name test catches as well).
+_INPLACE_DUNDERS = frozenset(
+    {
+        "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+        "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+        "__irshift__", "__imatmul__",
+    }
+)  # fmt: skip
+
+
+def _write_targets(func: Any, args: tuple, kwargs: dict) -> Iterator[Tensor]:
+    """The tensors a call that `_writes_in_place` writes: `self` (or a list of them, for
+    torch._foreach_*_), the `out=` tensors, an embedding's weight."""
+    if func is F.embedding:
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        if isinstance(weight, Tensor):
+            yield weight
+        return
+    if "out" in kwargs:
+        out = kwargs["out"]
+        yield from (
+            o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, Tensor)
+        )
+    name = getattr(func, "__name__", "")
+    if args and ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS):
+        first = args[0]
+        for value in first if isinstance(first, (list, tuple)) else [first]:
+            if isinstance(value, Tensor):
+                yield value
+
+
+def _storage_ptr(t: Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, TypeError, NotImplementedError):  # no storage (a subclass, sparse)
+        return 0
 
 
 def _flat_args(args: tuple, kwargs: dict) -> Iterator[Any]:

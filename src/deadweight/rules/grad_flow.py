@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 from deadweight.findings import Finding, Location, Severity
 from deadweight.probes.grad_flow import CUT_KINDS, GradFlowStats
+from deadweight.probes.sites import display_path
+from deadweight.probes.state import WRITE_KINDS
 from deadweight.registry import get_rule, rule
 from deadweight.rules._explain import CutGroup, explain
 
@@ -311,6 +313,100 @@ def model_in_eval_mode(stats: GradFlowStats) -> Iterator[Finding]:
             "statistics; call model.train() if you train it like this.",
             evidence={"training": False},
         )
+
+
+# Calls documented to write their parameter in the forward, by design: not a bug.
+_DOCUMENTED_WRITES = frozenset({"torch.nn.functional.embedding"})  # nn.Embedding(max_norm=...)
+
+
+@rule(
+    code="DW109",
+    name="forward-writes-parameter",
+    severity=Severity.WARNING,
+    summary="The forward changes a parameter's values itself (.data, .detach(), no_grad), "
+    "outside the optimizer.",
+    consumes=GradFlowStats,
+)
+def forward_writes_parameter(stats: GradFlowStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    Reports parameters whose values the forward changed: an in-place op on
+    `p.data`, on `p.detach()` or a view of it, an in-place op on the parameter under
+    `torch.no_grad`, assigning `p.data = ...`, or a write no tracer sees (through
+    NumPy, or an extension kernel), which a checksum of every parameter before and
+    after the check finds. The check puts the values (and the autograd version
+    counters) back where it saw the write coming; a write it did not see cannot be
+    undone, and is reported as an error. `nn.Embedding(max_norm=...)`, which
+    renormalises its rows in place by design, is not reported.
+
+    ## Why is this bad
+    Such a write changes the model on every forward, outside the optimizer and
+    invisibly to autograd: `.data` writes do not even bump the version counter, so a
+    graph that saved the old values backpropagates through values that are no
+    longer there. A decay written as `self.w.data.mul_(0.5)` halves the weight on
+    every step, also during evaluation, and the optimizer's state no longer matches
+    the parameter.
+
+    ## Example
+    ```python
+    def forward(self, x):
+        self.w.data.mul_(0.5)        # DW109: w is halved on every call
+        return x @ self.w
+    ```
+
+    ## Fix
+    Compute with a new tensor instead of writing the parameter (`w = self.w * 0.5`),
+    or move the update into the training step (after `optimizer.step()`, under
+    `torch.no_grad()`), where it is visible and runs once per step.
+
+    ## Evidence
+    - `writes`: per parameter: `param`, `how` (in-place, alias, rebind, unseen),
+      `op` (the call that wrote, when seen), `file` and `line`, and `restored`
+      (whether the check put the values back).
+    """
+    writes = [w for w in stats.param_writes if w.op not in _DOCUMENTED_WRITES]
+    for restored in (True, False):
+        mine = [w for w in writes if w.restored is restored]
+        if not mine:
+            continue
+        names = [w.name for w in mine]
+        first = next((w for w in mine if w.site is not None), mine[0])
+        n = len(names)
+        subject = f"The forward writes to {n} parameter{'s' if n > 1 else ''}"
+        how = WRITE_KINDS[first.how]
+        where = f" at {first.site}" if first.site is not None else ""
+        if restored:
+            tail = "; deadweight put the values back, training would keep them."
+        else:
+            tail = (
+                "; deadweight could not see the write coming, so the values were not "
+                "restored: the model now holds what the forward left there."
+            )
+        yield get_rule("DW109").finding(
+            f"{subject} ({_few(names)}) through {how}{where}{tail}",
+            params=names,
+            location=Location(display_path(first.site.file), first.site.line, first.site.function)
+            if first.site is not None
+            else Location(module=names[0].rpartition(".")[0]),
+            evidence={
+                "writes": [
+                    {
+                        "param": w.name,
+                        "how": w.how,
+                        "op": w.op,
+                        "file": display_path(w.site.file) if w.site else None,
+                        "line": w.site.line if w.site else None,
+                        "restored": w.restored,
+                    }
+                    for w in mine
+                ]
+            },
+            severity=None if restored else Severity.ERROR,
+        )
+
+
+def _few(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 _MODULE_PHRASES = {
