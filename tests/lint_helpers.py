@@ -14,6 +14,23 @@ import torch
 import deadweight
 from deadweight.report import Report
 
+# A model whose encoder runs under no_grad: the lint tests' one cut (DW501).
+CUT = """
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = self.enc(x)
+        return h * 2
+"""
+
 
 def write(tmp_path: Path, source: str, name: str = "model.py") -> Path:
     path = tmp_path / name

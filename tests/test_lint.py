@@ -11,23 +11,8 @@ import pytest
 
 import deadweight
 from deadweight.probes import source_files
-from tests.lint_helpers import lines_of, lint_source, write
+from tests.lint_helpers import CUT, lines_of, lint_source, write
 
-CUT = """
-import torch
-from torch import nn
-
-
-class M(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.enc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        with torch.no_grad():
-            h = self.enc(x)
-        return h * 2
-"""
 GOOD = (
     "import torch\n\n\ndef f(block, x):\n    return torch.utils.checkpoint.checkpoint(block, x)\n"
 )

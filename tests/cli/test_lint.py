@@ -10,26 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.lint_helpers import write
+from tests.lint_helpers import CUT, write
 
 TIMEOUT = 300  # generous: shared CI machines
 ENV = {**os.environ, "COLUMNS": "200"}
 
-CUT = """
-import torch
-from torch import nn
-
-
-class M(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.enc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        with torch.no_grad():
-            h = self.enc(x)
-        return h * 2
-"""
 CLEAN = "import torch\n\n\ndef f(x):\n    return x.detach().cpu().numpy()\n"
 RUST = """
 use candle_nn::ops;

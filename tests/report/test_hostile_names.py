@@ -17,6 +17,7 @@ import pytest
 
 from deadweight.report import html as html_report
 from deadweight.report.text import render_plain
+from tests.lint_helpers import CUT
 from tests.report.hostile import (
     CLEAR,
     HOSTILE,
@@ -30,21 +31,6 @@ from tests.report.hostile import (
 )
 
 TIMEOUT = 300  # generous: shared CI machines
-CUT = """
-import torch
-from torch import nn
-
-
-class M(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.enc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        with torch.no_grad():
-            h = self.enc(x)
-        return h * 2
-"""
 PLAIN = {**os.environ, "COLUMNS": "250", "NO_COLOR": "1"}
 PLAIN.pop("FORCE_COLOR", None)
 # Colour forced: what a terminal gets, styles and links included.
