@@ -274,9 +274,10 @@ class GuardedCheckpoint:
         except BaseException as exc:
             raise self._failed(exc) from None
 
-    def chunks(
-        self, entry: TensorEntry, max_bytes: int = DEFAULT_CHUNK_BYTES
-    ) -> Iterator[np.ndarray]:
+    def chunks(self, entry: TensorEntry, max_bytes: int | None = None) -> Iterator[np.ndarray]:
+        # None leaves the chunk size to the reader's own default.
+        if max_bytes is None:
+            return self._guard(lambda: self._reader.chunks(entry))
         return self._guard(lambda: self._reader.chunks(entry, max_bytes))
 
     def raw_chunks(self, entry: TensorEntry, max_elements: int) -> Iterator[np.ndarray]:
