@@ -3,6 +3,8 @@ in the `with` block, and for the zero-code global hooks and the GradScaler patch
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from torch.amp.grad_scaler import GradScaler
 from torch.optim import optimizer as optimizer_module
 
 import deadweight
+from deadweight.probes import scaler_steps
 from deadweight.watcher import watch_all
 
 
@@ -39,18 +42,23 @@ def _no_hooks(opt: torch.optim.Optimizer) -> bool:
 def test_close_removes_the_hooks_and_twice_is_fine(tmp_path):
     model, opt = _setup()
     before = _global_hooks()
+    gc.collect()  # a watch an earlier test left open and unreachable
+    scaler_step = torch.amp.GradScaler.step
     w = deadweight.watch(model, opt, every=1, log=tmp_path / "run.jsonl")
     assert len(opt._optimizer_step_pre_hooks) == 1 and len(opt._optimizer_step_post_hooks) == 1
+    assert torch.amp.GradScaler.step is not scaler_step  # skipped steps are seen
     _step(model, opt)
     w.close()
     assert _no_hooks(opt)
     assert _global_hooks() == before
+    assert torch.amp.GradScaler.step is scaler_step
+    assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
     steps = w.stats.steps
     _step(model, opt)  # not watched any more
     assert w.stats.steps == steps
     w.close()  # a second close changes nothing
     w.close("again")
-    assert w.stats.end == {"event": "end", "reason": "closed", "steps": steps}
+    assert w.stats.end == {"event": "end", "reason": "closed", "steps": steps, "backwards": 1}
     lines = (tmp_path / "run.jsonl").read_text().splitlines()
     assert sum('"event":"end"' in line for line in lines) == 1
 
@@ -64,13 +72,14 @@ def test_an_exception_in_the_block_removes_the_hooks_and_is_not_swallowed(tmp_pa
         pytest.raises(ValueError, match="bad batch"),
         deadweight.watch(model, [opt, second], scaler=scaler) as w,
     ):
-        assert "step" in vars(scaler)
+        # A torch GradScaler is seen through the class; nothing is set on the instance.
+        assert scaler_steps.installed() and "step" not in vars(scaler)
         _step(model, opt)
         raise ValueError("bad batch")
     assert _no_hooks(opt) and _no_hooks(second)
     assert _global_hooks() == before
     assert "step" not in vars(scaler)
-    assert type(scaler).step is GradScaler.step
+    assert not scaler_steps.installed()
     assert w.stats.end is not None
     assert w.stats.end["reason"] == "raised ValueError: bad batch"
 
@@ -98,6 +107,36 @@ def test_a_scaler_with_its_own_step_gets_it_back():
     assert scaler.step is own_step
 
 
+def test_a_watch_never_closed_does_not_keep_the_grad_scaler_wrapped():
+    def forgotten() -> None:
+        model, opt = _setup()
+        deadweight.watch(model, opt)  # never closed: lives as long as its optimizer
+        assert scaler_steps.installed()
+
+    forgotten()
+    gc.collect()
+    assert not scaler_steps.installed()
+    assert "step" in vars(GradScaler)  # the class's own method, back in place
+
+
+def test_a_scaler_skip_seen_by_two_wrappers_counts_once():
+    model, opt = _setup()
+    scaler = GradScaler("cpu")
+
+    def own_step(optimizer, *args, **kwargs):  # its own step, which calls the class's
+        return GradScaler.step(scaler, optimizer, *args, **kwargs)
+
+    scaler.step = own_step  # type: ignore[method-assign]
+    with deadweight.watch(model, opt, scaler=scaler) as w:
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(torch.full((4, 4), float("inf"))).sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert w.stats.optimizers[0].scaler_skips == [0, 0, 0]
+
+
 def test_watch_added_optimizer_loses_its_hooks_too():
     model, opt = _setup()
     extra = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -113,6 +152,8 @@ def test_watch_added_optimizer_loses_its_hooks_too():
 def test_watch_all_restores_the_global_hooks_and_the_grad_scaler(ending):
     model, opt = _setup()
     before = _global_hooks()
+    gc.collect()  # a watch an earlier test left open and unreachable
+    assert not scaler_steps.installed()
     original_step = GradScaler.step
     reasons = {"normal": "closed", "raise": "raised RuntimeError: boom", "interrupt": "interrupted"}
     try:

@@ -77,6 +77,7 @@ def train(
     *,
     pass_scaler: bool = True,
     steps: int = STEPS,
+    bf16: bool = False,
 ) -> Run:
     torch.manual_seed(0)
     model = Net()
@@ -93,7 +94,9 @@ def train(
         x, y = torch.randn(16, 64, generator=gen), torch.randn(16, 4, generator=gen)
         opt.zero_grad(set_to_none=True)
         if grad_scaler is None:
-            loss = F.mse_loss(model(x, step % 2 == 1), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(x, step % 2 == 1)
+            loss = F.mse_loss(out.float(), y)
             loss.backward()
             opt.step()
         else:
@@ -220,9 +223,26 @@ def test_fused_optimizer_sees_unscaled_gradients():
             assert fused.watch.stats.params[name].small_stats.zero_updates == 0
 
 
-def test_without_the_scaler_skips_are_not_reported():
-    watched = train("adam", True, {"every": 5}, pass_scaler=False)
-    assert watched.report is not None
-    assert not [f for f in watched.report.findings if "GradScaler" in f.message]
-    # The skipped steps never reached optimizer.step(): the monitor saw only the others.
-    assert watched.report.subject["steps"] == STEPS - len(INF_STEPS)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_without_the_scaler_argument_skips_are_reported_the_same(optimizer):
+    """A GradScaler is seen without `scaler=`: the class-level wrapper sees its steps."""
+    plain = baseline(optimizer, True)
+    passed = train(optimizer, True, {"every": 5}, pass_scaler=True)
+    unpassed = train(optimizer, True, {"every": 5}, pass_scaler=False)
+    assert_bitwise_equal(plain.params, unpassed.params, "params")
+    assert passed.report is not None and unpassed.report is not None
+    assert unpassed.report.subject["steps"] == STEPS - len(INF_STEPS)
+    codes = sorted((f.code, f.message) for f in passed.report.findings)
+    assert sorted((f.code, f.message) for f in unpassed.report.findings) == codes
+    skips = [f for f in unpassed.report.findings if f.code == "DW304" and "GradScaler" in f.message]
+    assert len(skips) == 1 and skips[0].evidence["skipped"] == len(INF_STEPS)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_bf16_autocast_is_bitwise_transparent(optimizer):
+    plain = train(optimizer, False, None, bf16=True)
+    watched = train(optimizer, False, {"every": 3, "full": True}, bf16=True)
+    assert_bitwise_equal(plain.losses, watched.losses, "losses")
+    assert_bitwise_equal(plain.params, watched.params, "params")
+    assert_bitwise_equal(plain.optimizer_state, watched.optimizer_state, "optimizer state")
+    assert watched.report is not None and watched.report.subject["detector_errors"] == []

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from deadweight.config import ConfigLike, applies_settings
-from deadweight.errors import CollectiveError
+from deadweight.errors import CollectiveError, InputError
 from deadweight.findings import Finding
-from deadweight.probes import distributed
+from deadweight.probes import distributed, wrappers
 from deadweight.probes.grad_flow import GradFlowStats, measure_grad_flow
 from deadweight.registry import Selection, rules_consuming
 from deadweight.report import Report
@@ -23,7 +25,7 @@ from deadweight.thresholds import Thresholds
 def check(
     model: nn.Module,
     loss_fn: Callable[[], Any],
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
     *,
     select: Iterable[str] | str | None = None,
     ignore: Iterable[str] | str | None = None,
@@ -49,6 +51,12 @@ def check(
     and thresholds apply unless given here. `thresholds` sets some of them, e.g.
     ``{"noise-floor-ulps": 32}``; `deadweight config` lists them.
 
+    Framework wrappers are looked through: accelerate's, Lightning's and Fabric's
+    optimizers, a DeepSpeed engine, a DDP or `torch.compile`d model (parameters keep
+    the names of the user's own module). Compiled code runs eagerly during the check
+    (`torch.compiler.set_stance("force_eager")`), so a compiled model gets the
+    findings, source lines included, of the same model uncompiled.
+
     Under torch.distributed (a DDP-wrapped model, or any model once the process
     group spans several ranks) call it on every rank: each rank checks its own
     forward and backward without talking to the others, then the ranks exchange
@@ -68,6 +76,13 @@ def check(
     impossible on every rank.
     """
     selection = Selection.of(select, ignore)
+    if wrappers.deepspeed_engine(model):
+        # Its gradient hooks would run in the check's backward (reducing and
+        # partitioning gradients mid-step), and it refuses a plain backward anyway.
+        raise InputError(
+            "deadweight.check cannot run its backward through a DeepSpeed engine: call it "
+            "on the model before deepspeed.initialize() (watch works on the engine)"
+        )
     ranks = distributed.ranks_for(model)
     # FSDP2: statistics are summed over the local shards inside the measurement.
     shards = (
@@ -75,8 +90,10 @@ def check(
         if isinstance(model, nn.Module) and distributed.holds_dtensors(list(model.parameters()))
         else None
     )
-    with distributed.local_backward(model):
-        stats = measure_grad_flow(distributed.unwrap(model), loss_fn, optimizer, shards=shards)
+    if optimizer is not None:  # a framework's wrapper: the torch optimizer inside it
+        optimizer = wrappers.torch_optimizer(optimizer) or optimizer
+    with distributed.local_backward(model), _eager(), wrappers.own_backward(model):
+        stats = measure_grad_flow(wrappers.user_model(model), loss_fn, optimizer, shards=shards)
     findings = [f for r in rules_consuming(GradFlowStats) for f in r.judge(stats)]
     trainable = [p for p in stats.params if p.trainable]
     extra: dict[str, Any] = {}
@@ -131,6 +148,22 @@ def _combine_ranks(
     merged = merge_rank_findings(per_rank)
     merged += [f for r in rules_consuming(distributed.RankPresence) for f in r.judge(presence)]
     return merged, summary
+
+
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
+    """Inside: `torch.compile`d code runs eagerly, so the check sees every op of the
+    forward with its source line, exactly as for the uncompiled model, and causes no
+    recompilation or graph break in the user's compiled code. The check's own module
+    hooks are global; a compiled module's warning about them is about the check, not
+    about the user's code, and is not shown."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    stance = set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+    with stance, warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks"
+        )
+        yield
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -5,10 +5,13 @@
             ...                      # the training loop, unchanged
     print(w.report())
 
-Nothing is added to the loop but removable optimizer step hooks (and, when a
-GradScaler is passed, a wrapper around that scaler's `step` to see the steps it
-skips). `watch_all()` is the zero-code variant behind `deadweight run`: global
-optimizer hooks that pick up every optimizer a script creates.
+Nothing is added to the loop but removable optimizer step hooks, a counter of
+backward passes on two parameters, and, while any watch is open, one wrapper around
+`GradScaler.step` to see the steps a scaler skips. Framework wrappers (accelerate,
+Lightning, Fabric, DeepSpeed, torch.compile, DDP) are looked through: the optimizer
+that really steps is watched and parameters keep the names the user gave them.
+`watch_all()` is the zero-code variant behind `deadweight run`: global optimizer
+hooks that pick up every optimizer a script creates.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from deadweight.config import ConfigLike, Settings, settings_for
-from deadweight.probes import distributed, owners
+from deadweight.probes import distributed, owners, scaler_steps, wrappers
 from deadweight.probes.event_log import LogWriter, log_path_for_rank, start_event
 from deadweight.probes.replicas import ReplicaCheck
 from deadweight.probes.step_monitor import MonitorConfig, StepMonitor
@@ -68,6 +71,28 @@ def _as_list(x: Any, kind: type) -> list[Any]:
     return items
 
 
+def _optimizer_list(x: Any) -> list[Any]:
+    """One optimizer (or a framework's object holding one), or an iterable of them."""
+    if x is None:
+        return []
+    if isinstance(x, torch.optim.Optimizer) or wrappers.torch_optimizer(x) is not None:
+        return [x]
+    try:
+        return list(x)
+    except TypeError:
+        return [x]  # not iterable: reported by _torch_optimizer_or_error
+
+
+def _torch_optimizer_or_error(x: Any) -> torch.optim.Optimizer:
+    found = wrappers.torch_optimizer(x)
+    if found is None:
+        raise TypeError(
+            f"expected a torch.optim.Optimizer or a framework's wrapper holding one "
+            f"(accelerate, Lightning, Fabric, DeepSpeed), got {type(x).__name__}"
+        )
+    return found
+
+
 class Watch:
     """A running monitor. `report()` at any time; `close()` (or leaving the `with`
     block) removes every hook and ends the log."""
@@ -100,8 +125,9 @@ class Watch:
             if (group := distributed.ddp_ranks(model)) is not None
             for p in model.parameters()
         }
-        # A DDP wrapper's parameters are named as in a single process.
-        self.models = [distributed.unwrap(m) for m in models]
+        # Parameters are named as in the user's own module: no `module.` (DDP) or
+        # `_orig_mod.` (torch.compile) prefix.
+        self.models = [wrappers.user_model(m) for m in models]
         self._ranks: distributed.Ranks | None = None
         self._ranks_known = False
         self._replicas: dict[int, ReplicaCheck] = {}
@@ -134,12 +160,21 @@ class Watch:
             (n, p)
             for model in self.models
             for n, p in model.named_parameters()
-            if p.requires_grad and id(p) not in watched
+            if p.requires_grad and id(p) not in watched and not wrappers.zero3_placeholder(p)
         ]
+        # Backward passes, counted at the first and last parameter of each optimizer:
+        # a run whose optimizer never stepped while backward ran is reported (DW309).
+        self._backward_counts: dict[int, int] = {}
         for k, opt in enumerate(optimizers):
             self.add(opt, passengers=passengers if k == 0 else ())
-        if scaler is not None:
+        # Every torch GradScaler's skipped steps reach the class-level wrapper; any
+        # other object with a `step(optimizer)`, or a scaler whose instance has its own
+        # `step`, is wrapped itself (a skip both see is counted once).
+        if scaler is not None and (
+            not scaler_steps.is_torch_scaler(scaler) or "step" in vars(scaler)
+        ):
             self._wrap_scaler(scaler)
+        self._restore.append(scaler_steps.listen(self))
 
     # -- wiring ----------------------------------------------------------------------------
 
@@ -149,9 +184,9 @@ class Watch:
         *,
         passengers: Sequence[tuple[str, torch.Tensor]] = (),
     ) -> None:
-        """Watch one more optimizer (its parameters are named from the watched models)."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        """Watch one more optimizer (its parameters are named from the watched models).
+        A framework's wrapper is looked through to the torch optimizer inside it."""
+        optimizer = _torch_optimizer_or_error(optimizer)
         if self._closed:  # its hooks would never be removed
             raise RuntimeError("this watch is closed; start a new one with deadweight.watch()")
         if id(optimizer) in self._monitors or optimizer in self._unwatched:
@@ -161,6 +196,39 @@ class Watch:
             return
         self._handles.append(optimizer.register_step_pre_hook(self._pre_hook))
         self._handles.append(optimizer.register_step_post_hook(self._post_hook))
+        self._count_backwards(optimizer)
+
+    def _count_backwards(self, optimizer: torch.optim.Optimizer) -> None:
+        trainable = [
+            p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and p.is_leaf
+        ]
+        for p in {id(p): p for p in (trainable[:1] + trainable[-1:])}.values():
+            if id(p) in self._backward_counts:
+                continue
+            self._backward_counts[id(p)] = 0
+            counts, key = self._backward_counts, id(p)
+
+            def counted(_: torch.Tensor, counts: dict[int, int] = counts, key: int = key) -> None:
+                counts[key] += 1
+
+            with contextlib.suppress(Exception):  # a tensor subclass without hooks
+                self._handles.append(p.register_post_accumulate_grad_hook(counted))
+
+    @property
+    def backwards(self) -> int:
+        """Backward passes seen so far (at the first or last parameter of an optimizer)."""
+        return max(self._backward_counts.values(), default=0)
+
+    # -- GradScaler steps (probes/scaler_steps.py) ---------------------------------------
+
+    def scaler_before(self, optimizer: Any) -> tuple[int, int]:
+        monitor = self._monitors.get(id(optimizer))
+        return (0, 0) if monitor is None else monitor.scaler_token()
+
+    def scaler_after(self, optimizer: Any, before: tuple[int, int]) -> None:
+        monitor = self._monitors.get(id(optimizer))  # the step may have discovered it
+        if monitor is not None and monitor.skipped_since(before):
+            monitor.skipped_by_scaler()
 
     def _monitor(
         self,
@@ -284,9 +352,9 @@ class Watch:
 
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             monitor = monitors.get(id(optimizer))
-            before = monitor.calls_finished if monitor is not None else 0
+            before = monitor.scaler_token() if monitor is not None else (0, 0)
             result = original(optimizer, *args, **kwargs)
-            if monitor is not None and monitor.calls_finished == before:
+            if monitor is not None and monitor.skipped_since(before):
                 with contextlib.suppress(Exception):
                     monitor.skipped_by_scaler()
             return result
@@ -467,6 +535,8 @@ class Watch:
     ) -> Report:
         """The findings so far (as of the last watched step)."""
         select, ignore = self.settings.rules(select, ignore)
+        if not self._closed:
+            self.stats.backwards = self.backwards
         with using(self.settings.thresholds):
             return report_from_stats(self.stats, select=select, ignore=ignore, log=self.log_path)
 
@@ -485,7 +555,14 @@ class Watch:
             with contextlib.suppress(Exception):
                 monitor.finish()
         self._flush_losses()
-        self._emit({"event": "end", "reason": reason, "steps": self.stats.steps})
+        self._emit(
+            {
+                "event": "end",
+                "reason": reason,
+                "steps": self.stats.steps,
+                "backwards": self.backwards,
+            }
+        )
         if self._writer is not None:
             with contextlib.suppress(Exception):  # a failing flush must not end the script
                 self._writer.close()
@@ -524,9 +601,25 @@ class GlobalWatch(Watch):
         self._scaled: tuple[weakref.ref[torch.Tensor], torch.Tensor] | None = None
         self._handles.append(register_optimizer_step_pre_hook(self._global_pre))
         self._handles.append(register_optimizer_step_post_hook(self._global_post))
-        self._patch_grad_scaler(loss)
+        self._tensor_backwards = 0  # scalar `.backward()` calls, when the loss is recorded
         if loss:
+            self._patch_scale()
             self._patch_backward()
+
+    @property
+    def backwards(self) -> int:
+        return max(super().backwards, self._tensor_backwards)
+
+    def scaler_before(self, optimizer: Any) -> tuple[int, int]:
+        # A scaler that skips from the first step on is the only sign of its optimizer.
+        if (
+            not self._closed
+            and isinstance(optimizer, torch.optim.Optimizer)
+            and id(optimizer) not in self._monitors
+            and optimizer not in self._unwatched
+        ):
+            self._discover(optimizer)
+        return super().scaler_before(optimizer)
 
     def _patch_backward(self) -> None:
         """Record the loss of a script that does not log it: the scalar on which
@@ -538,6 +631,7 @@ class GlobalWatch(Watch):
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             result = original(tensor, *args, **kwargs)
+            self._tensor_backwards += 1
             # After backward returned: a backward that raises records nothing.
             record(tensor, args, kwargs)
             return result
@@ -609,34 +703,13 @@ class GlobalWatch(Watch):
                     other.finish()
         return self._monitor_or_none(optimizer)
 
-    def _patch_grad_scaler(self, loss: bool) -> None:
+    def _patch_scale(self) -> None:
+        """The loss a GradScaler scaled, for the loss curve (its `scale` output is what
+        `.backward()` is called on)."""
         try:
-            from torch.amp.grad_scaler import GradScaler
+            from torch.amp.grad_scaler import GradScaler as scaler_class
         except ImportError:  # pragma: no cover - torch without amp
             return
-        if loss:
-            self._patch_scale(GradScaler)
-        original = GradScaler.step
-        monitors = self._monitors
-
-        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            monitor = monitors.get(id(optimizer))
-            before = monitor.calls_finished if monitor is not None else 0
-            result = original(scaler, optimizer, *args, **kwargs)
-            monitor = monitors.get(id(optimizer))  # the first step may have discovered it
-            if monitor is not None and monitor.calls_finished == before:
-                with contextlib.suppress(Exception):
-                    monitor.skipped_by_scaler()
-            return result
-
-        GradScaler.step = step  # type: ignore[method-assign,assignment]
-
-        def restore() -> None:
-            GradScaler.step = original  # type: ignore[method-assign]
-
-        self._restore.append(restore)
-
-    def _patch_scale(self, scaler_class: Any) -> None:
         original = scaler_class.scale
 
         def scale(scaler: Any, outputs: Any) -> Any:
@@ -646,10 +719,10 @@ class GlobalWatch(Watch):
                     self._scaled = (weakref.ref(result), outputs.detach())
             return result
 
-        scaler_class.scale = scale
+        scaler_class.scale = scale  # type: ignore[method-assign,assignment]
 
         def restore() -> None:
-            scaler_class.scale = original
+            scaler_class.scale = original  # type: ignore[method-assign]
 
         self._restore.append(restore)
 
@@ -729,7 +802,7 @@ def report_from_stats(
 
 def watch(
     model: nn.Module | Iterable[nn.Module] | None = None,
-    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+    optimizer: Any = None,
     *,
     every: int = 20,
     log: str | os.PathLike[str] | None = None,
@@ -743,20 +816,24 @@ def watch(
 
     model: the model(s) whose parameters are named (and checked for movement even if
         no watched optimizer holds them).
-    optimizer: the optimizer(s) whose steps are watched; more with `Watch.add`.
+    optimizer: the optimizer(s) whose steps are watched; more with `Watch.add`. A
+        framework's wrapper (accelerate's AcceleratedOptimizer, Lightning's and
+        Fabric's optimizers, a DeepSpeed engine, a Trainer after create_optimizer)
+        is looked through to the torch optimizer that steps.
     every: fuller statistics every `every` optimizer steps (the cheap checks run
         every step).
     log: write the versioned JSONL event log here (`deadweight report` reads it).
     full: copy every large parameter on watched steps, for exact update norms of all
         (costs a copy of the parameters each watched step).
-    scaler: a `torch.amp.GradScaler` whose skipped steps should be counted.
+    scaler: not needed for a `torch.amp.GradScaler`, whose skipped steps are always
+        counted; any other object with `step(optimizer)` that may skip steps.
     small: parameters with at most this many elements get exact per-step statistics.
     config, thresholds: the project configuration and thresholds its reports judge by,
         as for `deadweight.check`.
     """
     settings = settings_for(config, thresholds)  # a bad configuration fails before any hook
     models = _as_list(model, nn.Module)
-    optimizers = _as_list(optimizer, torch.optim.Optimizer)
+    optimizers = [_torch_optimizer_or_error(o) for o in _optimizer_list(optimizer)]
     if not optimizers:
         raise TypeError("watch() needs at least one optimizer: its step hooks do the watching")
     monitor = MonitorConfig(

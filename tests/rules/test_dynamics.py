@@ -249,3 +249,51 @@ def test_healthy_transformers_quiet(family: str) -> None:
     # BERT's key bias is exactly cancelled by softmax (a structural true positive that
     # `check` reports as DW105), but AdamW's decay holds it: nothing drifts.
     assert not report.findings, str(report)
+
+
+# -- DW310 --------------------------------------------------------------------------------
+
+
+def _zeros_for_missing(model: nn.Module) -> None:
+    """What DeepSpeed does after backward: a gradient of zeros where autograd left None."""
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def _loop_filling_zeros(model: nn.Module, opt: torch.optim.Optimizer, loss_fn):
+    with deadweight.watch(model, opt, every=10) as w:
+        for step in range(60):
+            opt.zero_grad(set_to_none=True)
+            loss_fn(step).backward()
+            _zeros_for_missing(model)
+            opt.step()
+    return w.report()
+
+
+def test_gradient_always_zero_under_a_framework_that_fills_it_in() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def loss(step: int) -> torch.Tensor:
+        return model[1](model[0](torch.randn(8, 4)).detach()).pow(2).mean()
+
+    report = _loop_filling_zeros(model, opt, loss)
+    (found,) = report.by_code("DW310")
+    assert set(found.params) == {"0.weight", "0.bias"}
+    assert found.evidence["per_param"]["0.weight"]["steps_with_grad"] == 60
+    assert not report.by_code("DW301")  # weight decay moved them: not unchanged
+
+
+def test_gradient_always_zero_leaves_dw301_and_pinned_alone() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(1, 1))
+    deadweight.pin(model, "2.bias")  # pin zeroes its gradient on purpose
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # no decay: zeros leave it unchanged
+
+    def loss(step: int) -> torch.Tensor:
+        return model[2](model[1](model[0](torch.randn(8, 4)).detach())).pow(2).mean()
+
+    report = _loop_filling_zeros(model, opt, loss)
+    assert not report.by_code("DW310")
+    (never,) = report.by_code("DW301")
+    assert set(never.params) == {"0.weight", "0.bias"}

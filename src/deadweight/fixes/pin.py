@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from deadweight.errors import InputError
+from deadweight.probes import wrappers
 
 _NO_ATTR = object()
 
@@ -57,17 +58,21 @@ class PinHandle:
         return f"PinHandle({self.name!r}, {state}, moved={self.moved():.3g})"
 
 
-def pin(
-    model: nn.Module, name: str, *, optimizer: torch.optim.Optimizer | None = None
-) -> PinHandle:
+def pin(model: nn.Module, name: str, *, optimizer: Any = None) -> PinHandle:
     """Pin the parameter called exactly `name` (as in `model.named_parameters()`).
 
     With `optimizer`, its state for the parameter is cleared (so old Adam moments do
     not keep moving it) and a parameter sitting in a group with weight decay is an
-    error: decay would pull it away from its value.
+    error: decay would pull it away from its value. A compiled or wrapped model takes
+    its own module's names too (`blocks.0.scale` for `_orig_mod.blocks.0.scale`), and
+    a framework's optimizer wrapper is looked through.
     """
-    # Tied parameters answer to every name they have (lm_head.weight and wte.weight).
+    # Tied parameters answer to every name they have (lm_head.weight and wte.weight);
+    # a wrapped model (compile, DDP, Fabric) to its own module's names and its own.
     params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(wrappers.user_model(model).named_parameters(remove_duplicate=False))
+    if optimizer is not None:
+        optimizer = wrappers.torch_optimizer(optimizer) or optimizer
     param = params.get(name)
     if param is None:
         close = difflib.get_close_matches(name, list(params), n=5, cutoff=0.5)

@@ -186,7 +186,13 @@ SCHEMA: dict[str, dict[str, tuple[Kind, bool]]] = {
         "after": (NUMBERS, True),
     },
     "nonfinite": {**_PER_STEP, "param": (COUNT, True), "what": (TEXT, True)},
-    "skip": {**_PER_STEP, "cause": (TEXT, False), "counted_as_step": (FLAG, False)},
+    "skip": {
+        **_PER_STEP,
+        "cause": (TEXT, False),
+        "counted_as_step": (FLAG, False),
+        "nonfinite": (COUNTS, False),
+        "nonfinite_count": (COUNT, False),
+    },
     "loss": {"steps": (COUNTS, True), "values": (NUMBERS, True)},
     "error": {
         "optimizer": (COUNT_OR_NULL, False),
@@ -194,7 +200,11 @@ SCHEMA: dict[str, dict[str, tuple[Kind, bool]]] = {
         "detector": (TEXT_OR_NULL, False),
         "message": (TEXT_OR_NULL, False),
     },
-    "end": {"reason": (TEXT_OR_NULL, False), "steps": (COUNT, False)},
+    "end": {
+        "reason": (TEXT_OR_NULL, False),
+        "steps": (COUNT, False),
+        "backwards": (COUNT, False),
+    },
     "ranks": {
         "rank": (COUNT, False),
         "world_size": (COUNT, False),

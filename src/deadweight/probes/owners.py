@@ -15,6 +15,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from deadweight.probes import wrappers
+
 
 def owning_models(params: Iterable[torch.Tensor]) -> list[nn.Module]:
     """The root modules (not a child of another live module) that hold any of `params`,
@@ -32,8 +34,8 @@ def owning_models(params: Iterable[torch.Tensor]) -> list[nn.Module]:
         if held:
             roots.append((held, module))
     roots.sort(key=lambda hm: -hm[0])
-    # A DDP wrapper's parameters are named as in a single process (no `module.`).
-    return [m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m for _, m in roots]
+    # Named as in the user's own module: no `module.` (DDP) or `_orig_mod.` (compile).
+    return [wrappers.user_model(m) for _, m in roots]
 
 
 def _is_module(obj: object) -> bool:

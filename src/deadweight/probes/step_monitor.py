@@ -488,6 +488,11 @@ class _ShardRecord:
         return [v for part in out for v in part.tolist()] + whole
 
 
+# A skip event names at most this many parameters with non-finite gradients (and
+# counts them all): a broken fp16 run skips every step.
+MAX_SKIP_NAMES = 64
+
+
 class StepMonitor:
     """Watches one optimizer. `before_step` / `after_step` are its step hooks' bodies."""
 
@@ -514,6 +519,7 @@ class StepMonitor:
         self.start_step = start_step
         self.step = start_step
         self.calls_finished = 0  # after_step calls: a GradScaler skip leaves it unchanged
+        self.scaler_skips = 0  # skipped_by_scaler calls, so two wrappers count a skip once
         self.disabled: dict[str, str] = {}
         params: list[torch.Tensor] = []
         groups: list[int | None] = []
@@ -667,7 +673,16 @@ class StepMonitor:
 
     def skipped_by_scaler(self) -> None:
         """The GradScaler found inf/NaN gradients and did not call optimizer.step()."""
+        self.scaler_skips += 1
         self._guarded("scaler", self._scaler_skip)
+
+    def scaler_token(self) -> tuple[int, int]:
+        """Taken before a scaler step; `skipped_since` tells after it whether it skipped."""
+        return self.calls_finished, self.scaler_skips
+
+    def skipped_since(self, token: tuple[int, int]) -> bool:
+        """No step finished and no skip was counted (by another wrapper) since `token`."""
+        return (self.calls_finished, self.scaler_skips) == token
 
     # -- detectors -----------------------------------------------------------------------
 
@@ -848,14 +863,34 @@ class StepMonitor:
             bucket.copy_before(chosen.get(id(bucket), []))
 
     def _scaler_skip(self) -> None:
+        bad = self._nonfinite_grads()
         self.emit(
             {
                 "event": "skip",
                 "optimizer": self.index,
                 "step": self.step,
                 "cause": "GradScaler found inf/NaN gradients and skipped optimizer.step()",
+                "nonfinite": bad[:MAX_SKIP_NAMES],
+                "nonfinite_count": len(bad),
             }
         )
+
+    def _nonfinite_grads(self) -> list[int]:
+        """The positions of the parameters whose gradient holds inf/NaN, read on a step
+        the scaler skipped (it has unscaled them by then, and synced to decide): one
+        check per parameter and one transfer per device, on skipped steps only."""
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for k, p in enumerate(self.params):
+            g = p.grad
+            if g is None or g.is_sparse:
+                continue
+            local = distributed.local_tensor(g)
+            by_device.setdefault(local.device, []).append((k, local))
+        bad: list[int] = []
+        for items in by_device.values():
+            finite = torch.stack([torch.isfinite(g).all() for _, g in items]).tolist()
+            bad += [k for (k, _), ok in zip(items, finite, strict=True) if not ok]
+        return sorted(bad)
 
     def _record(self) -> None:
         n = len(self.params)

@@ -67,6 +67,7 @@ class ParamTrack:
     small_stats: SmallStats | None = None
     nonfinite: dict[str, int] = field(default_factory=dict)  # "grad"/"value" -> first step
     skipped: int = 0  # GradScaler skips of its optimizer
+    skipped_nonfinite: int = 0  # of those, skips where this gradient held inf/NaN
     # Counts carried over from an earlier optimizer that held this parameter.
     base: tuple[int, int, int, float] = (0, 0, 0, 0.0)
     small_base: SmallStats | None = None
@@ -126,6 +127,8 @@ class WatchStats:
     # recorded value, several per step under gradient accumulation; None: non-finite.
     loss_steps: list[int] = field(default_factory=list)
     loss_values: list[float | None] = field(default_factory=list)
+    # Backward passes the watch counted (None: not known, a log from before they were).
+    backwards: int | None = None
 
     @property
     def loss_recorded(self) -> bool:
@@ -185,6 +188,7 @@ class WatchStats:
                 track.lr0_steps, track.lr_sum = previous.lr0_steps, previous.lr_sum
                 track.moved, track.nonfinite = previous.moved, previous.nonfinite
                 track.skipped = previous.skipped
+                track.skipped_nonfinite = previous.skipped_nonfinite
                 track.small_base = previous.small_stats
                 track.path_history = previous.path_history
                 track.base = (
@@ -316,12 +320,17 @@ class WatchStats:
             opt.skips_among_steps += 1
         for track in tracks:
             track.skipped += 1
+        for pos in event.get("nonfinite", ()):
+            if 0 <= pos < len(tracks):
+                tracks[pos].skipped_nonfinite += 1
 
     def _on_error(self, event: dict[str, Any]) -> None:
         self.errors.append({k: event.get(k) for k in ("optimizer", "step", "detector", "message")})
 
     def _on_end(self, event: dict[str, Any]) -> None:
         self.end = dict(event)
+        if "backwards" in event:
+            self.backwards = int(event["backwards"])
 
     def _on_ranks(self, event: dict[str, Any]) -> None:
         self.ranks = {k: v for k, v in event.items() if k != "event"}

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from deadweight.findings import Finding, Severity
 from deadweight.homologous import homologous_groups, robust_outlier
-from deadweight.probes.watch_stats import ParamTrack, WatchStats
+from deadweight.probes.watch_stats import OptimizerTrack, ParamTrack, WatchStats
 from deadweight.registry import get_rule, rule
 from deadweight.rules._drift import noise_driven
 from deadweight.rules._wording import module_of, name_list
@@ -90,6 +90,72 @@ def never_moved(stats: WatchStats) -> Iterator[Finding]:
                 },
             },
         )
+
+
+@rule(
+    code="DW310",
+    name="gradient-always-zero",
+    severity=Severity.ERROR,
+    summary="A trainable parameter's gradient was exactly zero on every optimizer step.",
+    consumes=WatchStats,
+)
+def gradient_always_zero(stats: WatchStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    Sums the squared norm of every parameter's gradient at every step, and flags
+    those whose gradient was present but exactly zero on every one of at least 50
+    optimizer steps. Parameters held by `deadweight.pin` (which zeroes their
+    gradient on purpose) are skipped, as are those already reported by DW301.
+
+    ## Why is this bad
+    It is the first incident seen through a framework that fills in missing
+    gradients: DeepSpeed, and data parallelism in some configurations, give a
+    parameter the loss never reaches a gradient of zeros instead of None. The
+    optimizer then steps it, so it is not bitwise unchanged: weight decay shrinks it
+    towards 0 and Adam's moments stay empty, while it learns nothing.
+
+    ## Example
+    ```python
+    h = self.block(x).detach()      # under DeepSpeed, block's grads are zeros, not None
+    ```
+
+    ## Fix
+    Run `deadweight check` on the model (before `deepspeed.initialize`) to find
+    where the graph is cut (DW101/DW102). If the parameter is meant to stay fixed,
+    freeze it or `deadweight.pin` it.
+
+    ## Evidence
+    - `steps`: optimizer steps watched.
+    - `per_param`: per parameter `steps_with_grad` and `mean_lr`.
+    """
+    minimum = current().never_moved_steps
+    tracks = [
+        t
+        for t in stats.params.values()
+        if not t.pinned
+        and t.moved is not False  # DW301 says more: nothing changed it at all
+        and t.grad_present >= minimum
+        and t.series.grad_rms
+        and all(v == 0.0 for v in t.series.grad_rms if v is not None)
+        and any(v is not None for v in t.series.grad_rms)
+    ]
+    if not tracks:
+        return
+    names = [t.name for t in tracks]
+    steps = max(t.steps for t in tracks)
+    yield get_rule("DW310").finding(
+        f"{len(names)} trainable parameter(s) had a gradient of exactly zero on every one of "
+        f"{steps} optimizer steps ({name_list(names)}): they learn nothing, and only weight "
+        "decay moves them.",
+        params=names,
+        location=module_of(names[0]),
+        evidence={
+            "steps": steps,
+            "per_param": {
+                t.name: {"steps_with_grad": t.grad_present, "mean_lr": t.mean_lr} for t in tracks
+            },
+        },
+    )
 
 
 def _last(values: list[float | None]) -> float | None:
@@ -331,16 +397,21 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
     for opt in stats.optimizers.values():
         skips = opt.scaler_skips
         if skips:
-            total = opt.steps - opt.start_step + len(skips) - opt.skips_among_steps
+            total = _steps_tried(opt)
             share = len(skips) / max(1, total)
+            culprits = _skip_culprits(stats, opt, minimum=1)
             yield get_rule("DW304").finding(
                 f"A GradScaler skipped {len(skips)} of {total} steps of "
-                f"{opt.cls}#{opt.index} ({share:.1%}), the first after step {skips[0]}.",
+                f"{opt.cls}#{opt.index} ({share:.1%}), the first after step {skips[0]}"
+                + (f"; inf/NaN gradients in {name_list(list(culprits))}." if culprits else "."),
+                params=list(culprits),
+                location=module_of(next(iter(culprits))) if culprits else None,
                 evidence={
                     "optimizer": f"{opt.cls}#{opt.index}",
                     "skipped": len(skips),
                     "first_after_step": skips[0],
                     "share": share,
+                    "nonfinite_on_skips": culprits,
                 },
                 severity=_skip_severity(len(skips), share),
             )
@@ -375,11 +446,117 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
         )
 
 
+# Backward passes without a step that a watch still open takes for a finding: far
+# past any gradient accumulation (a closed watch needs only one).
+LIVE_BACKWARDS_WITHOUT_STEP = 256
+
+
+@rule(
+    code="DW309",
+    name="no-steps",
+    severity=Severity.WARNING,
+    summary="Backward ran, but no watched optimizer ever stepped.",
+    consumes=WatchStats,
+)
+def no_steps(stats: WatchStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    Counts backward passes (at the first and last parameter of each watched
+    optimizer, or every scalar `.backward()` under `deadweight run`) and reports a
+    watch in which backward ran but no watched optimizer's `step()` ever ran or was
+    skipped by a GradScaler. Reported once the watch has closed, or while it runs
+    after 256 backward passes without a step.
+
+    ## Why is this bad
+    Every other watch rule judges optimizer steps; with none, the report would be
+    empty and read as healthy. Either the model does not train at all (the step is
+    never called, or called on another optimizer than the one watched), or the
+    steps happen somewhere deadweight cannot see.
+
+    ## Example
+    ```python
+    opt = torch.optim.AdamW(model.parameters())
+    with deadweight.watch(model, torch.optim.AdamW(model.parameters())):  # not `opt`
+        ...  # loss.backward(); opt.step()
+    ```
+
+    ## Fix
+    Watch the optimizer that steps (a framework's wrapper is fine: deadweight looks
+    through accelerate, Lightning, Fabric and DeepSpeed). Check that `step()` is
+    called, and for a custom optimizer that it subclasses `torch.optim.Optimizer`
+    and calls its `__init__`.
+
+    ## Evidence
+    - `backwards`: backward passes counted.
+    - `optimizers`: the optimizers watched (none: none was found).
+    - `complete`: whether the watch had closed.
+    """
+    backwards = stats.backwards or 0
+    if backwards == 0:
+        return
+    if not stats.complete and backwards < LIVE_BACKWARDS_WITHOUT_STEP:
+        return
+    if any(o.steps > o.start_step or o.scaler_skips for o in stats.optimizers.values()):
+        return
+    names = [f"{o.cls}#{o.index}" for o in stats.optimizers.values()]
+    watched = f"the watched optimizer(s) {', '.join(names)}" if names else "no optimizer"
+    yield get_rule("DW309").finding(
+        f"Backward ran {backwards} time(s) but {watched} never stepped: nothing was "
+        "trained or judged.",
+        evidence={"backwards": backwards, "optimizers": names, "complete": stats.complete},
+    )
+
+
+def _steps_tried(opt: OptimizerTrack) -> int:
+    """The optimizer's steps while watched, the skipped ones included."""
+    return opt.steps - opt.start_step + len(opt.scaler_skips) - opt.skips_among_steps
+
+
+def _skip_culprits(stats: WatchStats, opt: OptimizerTrack, minimum: int) -> dict[str, int]:
+    """Parameters of `opt` whose gradient held inf/NaN on at least `minimum` of the steps
+    a GradScaler skipped: name -> how many, most first."""
+    found = {
+        t.name: t.skipped_nonfinite
+        for n in opt.params
+        if (t := stats.params.get(n)) is not None
+        and t.optimizer == opt.index
+        and t.skipped_nonfinite >= minimum
+    }
+    return dict(sorted(found.items(), key=lambda kv: -kv[1]))
+
+
 def _skip_severity(count: int, share: float) -> Severity:
     limits = current()
     if count >= limits.skipped_steps_min and share >= limits.skipped_steps_share:
         return Severity.WARNING
     return Severity.INFO
+
+
+def _persistent_overflow(stats: WatchStats) -> Iterator[Finding]:
+    """A GradScaler that skipped most steps, because of the same parameters' gradients."""
+    for opt in stats.optimizers.values():
+        skips = len(opt.scaler_skips)
+        total = _steps_tried(opt)
+        if skips < current().skipped_steps_min or skips < total / 2:
+            continue
+        culprits = _skip_culprits(stats, opt, minimum=max(1, math.ceil(skips / 2)))
+        if not culprits:
+            continue
+        names = list(culprits)
+        yield get_rule("DW305").finding(
+            f"The gradient of {name_list(names)} was NaN/Inf on up to {max(culprits.values())} "
+            f"of the {skips} steps a GradScaler skipped ({skips} of {total} steps of "
+            f"{opt.cls}#{opt.index}): a lower scale does not make it finite, so the model "
+            "no longer trains.",
+            params=names,
+            location=module_of(names[0]),
+            evidence={
+                "optimizer": f"{opt.cls}#{opt.index}",
+                "steps": total,
+                "skipped": skips,
+                "nonfinite_on_skips": culprits,
+            },
+        )
 
 
 @rule(
@@ -394,8 +571,12 @@ def non_finite(stats: WatchStats) -> Iterator[Finding]:
     ## What it does
     Checks every gradient for NaN/Inf at every step (one fused norm on the device,
     read back at the next watched step) and every parameter at each watched step,
-    and reports the first step and parameter where it happened. Gradients a
-    GradScaler skipped are not counted: the scaler handles those.
+    and reports the first step and parameter where it happened. Gradients on a step
+    a GradScaler skipped are the scaler's to handle (it lowers its scale and tries
+    again), unless it keeps skipping: when at least half of an optimizer's steps
+    were skipped, the parameters whose gradient was inf/NaN on at least half of
+    those skips are reported, since no lower scale makes them finite and the run no
+    longer trains.
 
     ## Why is this bad
     One non-finite gradient that reaches the optimizer turns the parameter, and
@@ -416,7 +597,10 @@ def non_finite(stats: WatchStats) -> Iterator[Finding]:
     - `first_step`, `first_param`, `first_kind`: where the first NaN or Inf appeared (in a
       gradient or a value).
     - `per_param`: per parameter, the first step of each kind.
+    - For a GradScaler that keeps skipping: `optimizer`, `steps`, `skipped`, and
+      `nonfinite_on_skips` (per parameter, on how many skipped steps).
     """
+    yield from _persistent_overflow(stats)
     events = [
         (step, what, t.name) for t in stats.params.values() for what, step in t.nonfinite.items()
     ]
