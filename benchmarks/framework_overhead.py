@@ -1,0 +1,188 @@
+"""What `deadweight.watch` costs per step inside the frameworks of tests/e2e.
+
+Each framework trains transformers' Llama code at a small random config (no
+download) on random tokens: a plain PyTorch loop, an Accelerate loop (through the
+AcceleratedOptimizer it hands back) and a Lightning Fabric loop (through its
+_FabricOptimizer). One model and optimizer train throughout; unwatched and watched
+blocks of `--block` steps take turns (A B A B ...), and each figure is the median
+over rounds of watched block time / the unwatched block just before it. The first
+step of each block is left out (attaching the watch measures it in full).
+
+nanoGPT's unmodified train.py is timed as its user would: the script's own
+per-iteration times ("time X ms"), plain `python train.py` against
+`deadweight run -- python train.py`, runs alternating; the figure is the median of
+the per-run ratios of median iteration times.
+
+    python benchmarks/framework_overhead.py [--rounds 8] [--block 20] [--nanogpt-runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+
+import deadweight
+
+transformers.logging.set_verbosity_error()
+ROOT = Path(__file__).parents[1]
+SEQ, BATCH, VOCAB = 64, 8, 2048
+
+
+def llama() -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def batches(n: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(n)]
+
+
+Step = Callable[[torch.Tensor], None]
+
+
+def loop(prepare: Callable[[Any, Any], tuple[Any, Any]], backward: Callable[[Any], None]) -> Any:
+    """A model, its optimizer as the framework hands it back, and one training step."""
+    model = llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    model, opt = prepare(model, opt)
+
+    def step(ids: torch.Tensor) -> None:
+        backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, opt, step
+
+
+def plain() -> tuple[Any, Any, Step]:
+    return loop(lambda m, o: (m, o), lambda loss: loss.backward())
+
+
+def accelerate_loop() -> tuple[Any, Any, Step]:
+    import accelerate
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    return loop(accelerator.prepare, accelerator.backward)
+
+
+def fabric_loop() -> tuple[Any, Any, Step]:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    return loop(fabric.setup, fabric.backward)
+
+
+def block_ratio(build: Callable[[], Any], rounds: int, block: int) -> tuple[float, list[float]]:
+    model, opt, step = build()
+    data = batches(block)
+    for ids in data[:3]:  # warm-up
+        step(ids)
+
+    def timed(watched: bool) -> float:
+        w = deadweight.watch(model, opt) if watched else None
+        try:
+            step(data[0])  # not timed: the first watched step measures in full
+            start = time.perf_counter()
+            for ids in data[1:]:
+                step(ids)
+            return time.perf_counter() - start
+        finally:
+            if w is not None:
+                w.close()
+
+    ratios = []
+    for _ in range(rounds):
+        base = timed(False)
+        ratios.append(timed(True) / base)
+    return statistics.median(ratios), ratios
+
+
+# -- nanoGPT ----------------------------------------------------------------------------
+
+NANOGPT_ARGS = [
+    "--dataset=tiny", "--device=cpu", "--dtype=float32", "--compile=False",
+    "--n_layer=4", "--n_head=4", "--n_embd=128", "--block_size=64", "--batch_size=8",
+    "--gradient_accumulation_steps=1", "--max_iters=120", "--eval_interval=100000",
+    "--eval_iters=1", "--log_interval=1", "--warmup_iters=0",
+    "--always_save_checkpoint=False",
+]  # fmt: skip
+ITER = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", re.M)
+
+
+def nanogpt_dir(tmp: Path) -> Path:
+    work = tmp / "nanogpt"
+    shutil.copytree(ROOT / "tests" / "e2e" / "nanogpt", work)
+    data = work / "data" / "tiny"
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        rng.integers(0, 64, 1 << 16, dtype=np.uint16).tofile(data / f"{split}.bin")
+    with open(data / "meta.pkl", "wb") as fh:
+        pickle.dump({"vocab_size": 64}, fh)
+    return work
+
+
+def nanogpt_iter_ms(work: Path, watched: bool) -> float:
+    cmd = [sys.executable, "train.py", *NANOGPT_ARGS]
+    if watched:
+        log = work / "run.jsonl"
+        log.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "deadweight", "run", "--fail-on=never", "--isolated",
+               "--log", str(log), "--", *cmd]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, check=True)
+    times = [float(ms) for it, ms in ITER.findall(out.stdout) if int(it) >= 20]
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--block", type=int, default=20)
+    parser.add_argument("--nanogpt-runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, blocks of {args.block} steps")
+    print("framework          watched/unwatched (median)   per round")
+    for name, build in (
+        ("plain PyTorch", plain),
+        ("Accelerate", accelerate_loop),
+        ("Lightning Fabric", fabric_loop),
+    ):
+        med, ratios = block_ratio(build, args.rounds, args.block)
+        print(f"{name:18} {med:8.3f}x                    {' '.join(f'{r:.3f}' for r in ratios)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = nanogpt_dir(Path(tmp))
+        ratios = []
+        for _ in range(args.nanogpt_runs):
+            base = nanogpt_iter_ms(work, watched=False)
+            ratios.append(nanogpt_iter_ms(work, watched=True) / base)
+        print(
+            f"{'nanoGPT train.py':18} {statistics.median(ratios):8.3f}x (deadweight run)   "
+            + " ".join(f"{r:.3f}" for r in ratios)
+        )
+
+
+if __name__ == "__main__":
+    main()
