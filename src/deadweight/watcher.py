@@ -83,6 +83,12 @@ def _optimizer_list(x: Any) -> list[Any]:
         return [x]  # not iterable: reported by _torch_optimizer_or_error
 
 
+def _stepping(optimizer: Any) -> Any:
+    """What `scaler.step(opt)` was handed, as watched: the torch optimizer inside a
+    framework's wrapper (accelerate's, stepped through the scaler by the user)."""
+    return wrappers.torch_optimizer(optimizer) or optimizer
+
+
 def _torch_optimizer_or_error(x: Any) -> torch.optim.Optimizer:
     found = wrappers.torch_optimizer(x)
     if found is None:
@@ -222,11 +228,12 @@ class Watch:
     # -- GradScaler steps (probes/scaler_steps.py) ---------------------------------------
 
     def scaler_before(self, optimizer: Any) -> tuple[int, int]:
-        monitor = self._monitors.get(id(optimizer))
+        monitor = self._monitors.get(id(_stepping(optimizer)))
         return (0, 0) if monitor is None else monitor.scaler_token()
 
     def scaler_after(self, optimizer: Any, before: tuple[int, int]) -> None:
-        monitor = self._monitors.get(id(optimizer))  # the step may have discovered it
+        # The step may have discovered it.
+        monitor = self._monitors.get(id(_stepping(optimizer)))
         if monitor is not None and monitor.skipped_since(before):
             monitor.skipped_by_scaler()
 
@@ -612,6 +619,7 @@ class GlobalWatch(Watch):
 
     def scaler_before(self, optimizer: Any) -> tuple[int, int]:
         # A scaler that skips from the first step on is the only sign of its optimizer.
+        optimizer = _stepping(optimizer)
         if (
             not self._closed
             and isinstance(optimizer, torch.optim.Optimizer)

@@ -77,6 +77,28 @@ def test_zero_code_mode_sees_a_scaler_that_skips_from_the_first_step() -> None:
     assert report.by_code("DW305")
 
 
+@pytest.mark.parametrize("zero_code", [False, True])
+def test_a_scaler_stepping_a_framework_wrapper_is_seen(zero_code: bool) -> None:
+    """`scaler.step(accelerated_opt)`: the wrapper is looked through to the optimizer watched."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    torch.manual_seed(0)
+    model = WithBadBranch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, wrapped = accelerate.Accelerator(cpu=True).prepare(model, opt)
+    try:
+        with watch_all(every=10) if zero_code else deadweight.watch(model, wrapped) as w:
+            _amp_loop(model, wrapped, 12, lambda s: s >= 2, GradScaler("cpu"))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    report = w.report()
+    assert report.subject["optimizers"] == ["AdamW#0"]  # one monitor, on the inner optimizer
+    (skips,) = report.by_code("DW304")
+    assert skips.evidence["skipped"] == 10 and skips.params == ("bad",)
+
+
 def test_the_skip_check_reads_nothing_on_healthy_steps(monkeypatch) -> None:
     """The per-parameter inf/NaN check runs on skipped steps only."""
     from deadweight.probes import step_monitor
