@@ -79,6 +79,23 @@ def test_any_object_holding_an_optimizer_is_looked_through() -> None:
     assert wrappers.torch_optimizer(Outer()) is opt
 
 
+def test_a_real_optimizer_wrapping_another_is_watched_itself() -> None:
+    """A Lookahead runs Optimizer.__init__ and its step is the whole update."""
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Lookahead(torch.optim.Optimizer):
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+            super().__init__(optimizer.param_groups, {})
+
+        def step(self, closure=None):  # type: ignore[no-untyped-def]
+            return self.optimizer.step(closure)
+
+    outer = Lookahead(base)
+    assert wrappers.torch_optimizer(outer) is outer
+
+
 def test_a_cycle_or_nothing_inside_is_none() -> None:
     class Loop:
         def __init__(self) -> None:

@@ -8,29 +8,12 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from deadweight.integrations.forward import forward_to
+from deadweight.probes.wrappers import torch_optimizer
 from deadweight.report import Report
 from deadweight.watcher import Watch, watch
-
-
-def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer inside a framework's wrapper, or None if there is none.
-
-    accelerate's AcceleratedOptimizer (what the Trainer holds) and Lightning's
-    LightningOptimizer keep the real one in `.optimizer` / `._optimizer`. The innermost
-    one is watched: its `step` is the one that really runs, hooks and all.
-    """
-    for _ in range(8):  # wrappers of wrappers, but never a cycle
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None:
-            inner = getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer:
-            break
-        optimizer = inner
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
 
 def rank_path(path: str | os.PathLike[str] | None, rank: int, world_size: int) -> str | None:

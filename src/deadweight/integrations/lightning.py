@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from deadweight.integrations._session import WatchSession, checked_forward, torch_optimizer
+from deadweight.integrations._session import WatchSession, checked_forward
 from deadweight.integrations.forward import MAX_PARAMS
+from deadweight.probes.wrappers import torch_optimizer
 from deadweight.report import Report
 from deadweight.watcher import Watch, exit_reason
 

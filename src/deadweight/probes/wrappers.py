@@ -5,8 +5,9 @@ often a wrapper: accelerate's `AcceleratedOptimizer`, Lightning's `LightningOpti
 Fabric's `_FabricOptimizer` and `_FabricModule`, a DeepSpeed engine, a DDP module, a
 `torch.compile`d module, a PEFT model. Such an optimizer wrapper may pass `isinstance(x, Optimizer)`
 without ever running `Optimizer.__init__`, so it has no step hooks of its own; its
-`step` calls the inner optimizer's, whose hooks do run. So the innermost optimizer is
-watched, and parameters are named from the innermost module, as the user wrote it.
+`step` calls the inner optimizer's, whose hooks do run. So the first real optimizer
+inside is watched, and parameters are named from the innermost module, as the user
+wrote it.
 """
 
 from __future__ import annotations
@@ -34,28 +35,23 @@ def _initialised(optimizer: Any) -> bool:
 
 
 def torch_optimizer(obj: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer that really steps inside `obj`, or None if there is none.
+    """The torch optimizer whose step hooks run inside `obj`, or None if there is none.
 
     Follows `.optimizer` / `._optimizer` (accelerate, Lightning, Fabric, DeepSpeed's
     engine and ZeRO wrappers, transformers' Trainer once it has built its optimizer)
-    down to the innermost `torch.optim.Optimizer`. A plain optimizer is returned as
-    it is.
+    to the first `torch.optim.Optimizer` whose own `__init__` ran. A plain optimizer
+    is returned as it is, and so is one that wraps another but is a real optimizer
+    itself (a Lookahead): its step is the whole update.
     """
     seen: set[int] = set()
-    found: torch.optim.Optimizer | None = None
     for _ in range(MAX_DEPTH):
-        if id(obj) in seen:
-            break
+        if obj is None or id(obj) in seen:
+            return None
         seen.add(id(obj))
-        if isinstance(obj, torch.optim.Optimizer):
-            found = obj
-            if _initialised(obj) and not _has_inner_optimizer(obj):
-                return obj
-        inner = _inner_optimizer(obj)
-        if inner is None:
-            break
-        obj = inner
-    return found if found is not None and _initialised(found) else None
+        if _initialised(obj):
+            return obj
+        obj = _inner_optimizer(obj)
+    return None
 
 
 def _inner_optimizer(obj: Any) -> Any:
@@ -66,27 +62,6 @@ def _inner_optimizer(obj: Any) -> Any:
             inner = None
         if inner is not None and inner is not obj:
             return inner
-    return None
-
-
-def _has_inner_optimizer(obj: Any) -> bool:
-    inner = _inner_optimizer(obj)
-    return isinstance(inner, torch.optim.Optimizer)
-
-
-def scaler_of(obj: Any) -> Any:
-    """The GradScaler a wrapper steps its optimizer through (accelerate's `.scaler`),
-    or None. Lightning and Fabric keep theirs in the precision plugin; deadweight sees
-    every GradScaler's skipped steps anyway (probes/scaler_steps.py)."""
-    seen: set[int] = set()
-    for _ in range(MAX_DEPTH):
-        if obj is None or id(obj) in seen:
-            return None
-        seen.add(id(obj))
-        scaler = getattr(obj, "scaler", None)
-        if scaler is not None and callable(getattr(scaler, "step", None)):
-            return scaler
-        obj = _inner_optimizer(obj)
     return None
 
 
