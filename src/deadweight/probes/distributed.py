@@ -160,13 +160,6 @@ def ranks_for(model: nn.Module | None = None) -> Ranks | None:
     return Ranks(dist.get_rank(), world, backend, timeout_s())
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DDP wrapper (names then match a single process)."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return model.module
-    return model
-
-
 @contextlib.contextmanager
 def local_backward(model: nn.Module) -> Iterator[None]:
     """Inside: a DDP model's forward and backward talk to no other rank.
@@ -448,6 +441,5 @@ __all__ = [
     "sharded_names",
     "share_of_sum",
     "timeout_s",
-    "unwrap",
     "uses_fsdp2",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from types import TracebackType
@@ -201,6 +201,7 @@ class Checkpoint(Protocol):
 
 
 _R = TypeVar("_R", bound="ReaderBase")
+_T = TypeVar("_T")
 
 
 class ReaderBase:
@@ -263,16 +264,16 @@ class GuardedCheckpoint:
     def __getattr__(self, name: str) -> Any:  # a reader's own extras (safetensors' metadata)
         return getattr(self._reader, name)
 
-    def _failed(self, exc: BaseException) -> CheckpointError:
-        return reading_error(self.path, exc)
-
-    def entries(self) -> list[TensorEntry]:
+    def _call(self, method: Callable[..., _T], *args: Any) -> _T:
         try:
-            return self._reader.entries()
+            return method(*args)
         except PASS_THROUGH:
             raise
         except BaseException as exc:
-            raise self._failed(exc) from None
+            raise reading_error(self.path, exc) from None
+
+    def entries(self) -> list[TensorEntry]:
+        return self._call(self._reader.entries)
 
     def chunks(self, entry: TensorEntry, max_bytes: int | None = None) -> Iterator[np.ndarray]:
         # None leaves the chunk size to the reader's own default.
@@ -289,26 +290,16 @@ class GuardedCheckpoint:
         except PASS_THROUGH:
             raise
         except BaseException as exc:
-            raise self._failed(exc) from None
+            raise reading_error(self.path, exc) from None
 
     def droppable(self, entry: TensorEntry, address: int, nbytes: int) -> tuple[int, int] | None:
         return self._reader.droppable(entry, address, nbytes)
 
     def array(self, entry: TensorEntry) -> np.ndarray:
-        try:
-            return self._reader.array(entry)
-        except PASS_THROUGH:
-            raise
-        except BaseException as exc:
-            raise self._failed(exc) from None
+        return self._call(self._reader.array, entry)
 
     def close(self) -> None:
-        try:
-            self._reader.close()
-        except PASS_THROUGH:
-            raise
-        except BaseException as exc:
-            raise self._failed(exc) from None
+        self._call(self._reader.close)
 
     def __enter__(self) -> GuardedCheckpoint:
         return self
