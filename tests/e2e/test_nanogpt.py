@@ -13,12 +13,13 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.e2e.zero_code import deadweight_run
 
 pytestmark = pytest.mark.e2e
 
@@ -78,36 +79,13 @@ def _run(work: Path, compile_: bool) -> tuple[dict, list[dict], str]:
     """`deadweight run` on train.py: its JSON report, the check's findings, stderr."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deadweight",
-            "run",
-            "--format=json",
-            "--fail-on=never",
-            "--isolated",
-            "--log",
-            str(work / "run.jsonl"),
-            "--",
-            sys.executable,
-            "train.py",
-            *ARGS,
-            f"--compile={compile_}",
-        ],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    command = [sys.executable, "train.py", *ARGS, f"--compile={compile_}"]
+    report, proc = deadweight_run(
+        sys.executable, command, cwd=work, env=env, log=work / "run.jsonl", timeout=900
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHECK ")]
     assert len(check_lines) == 1, proc.stdout[-3000:]
     check = json.loads(check_lines[0][len("CHECK ") :])
-    start = proc.stdout.rfind("\n{\n")  # the report, printed last
-    report = json.loads(proc.stdout[start:]) if start >= 0 else {}
-    assert report.get("kind") == "watch", proc.stdout[-3000:]
     return report, check["findings"], proc.stderr
 
 

@@ -5,13 +5,14 @@ Llama 2 builder, checkpointer, loss and scheduler; only what a real run download
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.zero_code import deadweight_run
 
 pytestmark = pytest.mark.e2e
 
@@ -56,38 +57,12 @@ def _run(tmp_path: Path, python: str, model_component: str | None = None) -> dic
         config = config.replace("torchtune.models.llama2.lora_llama2\n", model_component + "\n")
         assert model_component in config
     (tmp_path / "lora.yaml").write_text(config)
-    tune = [
-        python,
-        "-c",
-        "import sys; from torchtune._cli.tune import main; sys.exit(main())",
-    ]
-    command = [
-        *tune, "run", "lora_finetune_single_device", "--config", str(tmp_path / "lora.yaml")
-    ]  # fmt: skip
-    proc = subprocess.run(
-        [
-            python,
-            "-m",
-            "deadweight",
-            "run",
-            "--format=json",
-            "--fail-on=never",
-            "--isolated",
-            "--log",
-            str(tmp_path / "run.jsonl"),
-            "--",
-            *command,
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    tune = "import sys; from torchtune._cli.tune import main; sys.exit(main())"
+    recipe = ["run", "lora_finetune_single_device", "--config", str(tmp_path / "lora.yaml")]
+    command = [python, "-c", tune, *recipe]
+    report, _ = deadweight_run(
+        python, command, cwd=tmp_path, env=env, log=tmp_path / "run.jsonl", timeout=600
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    start = proc.stdout.rfind("\n{\n")  # the report, printed last
-    assert start >= 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(proc.stdout[start:])
     assert report["subject"]["steps"] == STEPS
     return report
 
@@ -95,9 +70,8 @@ def _run(tmp_path: Path, python: str, model_component: str | None = None) -> dic
 def test_a_healthy_torchtune_lora_recipe_has_no_findings(tmp_path: Path, tune_python: str) -> None:
     report = _run(tmp_path, tune_python)
     assert report["findings"] == []
-    assert (
-        report["subject"]["parameters"] == 8
-    )  # the adapters: q and v, lora_a and lora_b, 2 layers
+    # The adapters: q and v, lora_a and lora_b, 2 layers.
+    assert report["subject"]["parameters"] == 8
     assert "layers.0.attn.q_proj.lora_a.weight" in (tmp_path / "run.jsonl").read_text()
 
 
