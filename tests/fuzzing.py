@@ -10,6 +10,7 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 # 200 examples per test keeps each fuzz test at a few seconds on 2 cores.
 DEFAULT_EXAMPLES = 200
@@ -30,3 +31,16 @@ FUZZ = settings(
 
 # Every fuzz module sets `pytestmark = fuzz` so a long run can select them alone.
 fuzz = pytest.mark.fuzz
+
+
+# Byte edits to a valid file: (position, new byte) pairs, the position taken modulo
+# the file's length so that every edit lands.
+byte_edits = st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), max_size=8)
+
+
+def mutate(base: bytes, changes: list[tuple[int, int]], cut: int | None) -> bytes:
+    """`base` with the byte edits applied, then cut to `cut` bytes (None: whole)."""
+    data = bytearray(base)
+    for position, value in changes:
+        data[position % len(data)] = value
+    return bytes(data[:cut] if cut is not None else data)

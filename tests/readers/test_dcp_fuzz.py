@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from deadweight.readers import CheckpointError, open_checkpoint
 from deadweight.readers.torch_file import UnmeasuredEntry
-from tests.fuzzing import FUZZ, fuzz
+from tests.fuzzing import FUZZ, byte_edits, fuzz, mutate
 
 pytestmark = fuzz
 
@@ -41,14 +41,6 @@ def _base() -> tuple[bytes, dict[str, bytes]]:
 
 METADATA, SHARDS = _base()
 EVIL = pickle.dumps(Payload())
-_edits = st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), max_size=8)
-
-
-def _mutate(base: bytes, edits: list[tuple[int, int]], cut: int | None) -> bytes:
-    data = bytearray(base)
-    for position, value in edits:
-        data[position % len(data)] = value
-    return bytes(data[:cut] if cut is not None else data)
 
 
 def _open_and_read(metadata: bytes, shards: dict[str, bytes]) -> None:
@@ -79,16 +71,16 @@ def _open_and_read(metadata: bytes, shards: dict[str, bytes]) -> None:
 
 
 @FUZZ
-@given(st.sampled_from([METADATA, EVIL]), _edits, st.none() | st.integers(0, len(METADATA)))
+@given(st.sampled_from([METADATA, EVIL]), byte_edits, st.none() | st.integers(0, len(METADATA)))
 def test_mutated_metadata(base: bytes, edits: list[tuple[int, int]], cut: int | None) -> None:
-    _open_and_read(_mutate(base, edits, cut), SHARDS)
+    _open_and_read(mutate(base, edits, cut), SHARDS)
 
 
 @FUZZ
-@given(_edits, st.none() | st.integers(0, max(len(d) for d in SHARDS.values())), st.booleans())
+@given(byte_edits, st.none() | st.integers(0, max(len(d) for d in SHARDS.values())), st.booleans())
 def test_mutated_shards(edits: list[tuple[int, int]], cut: int | None, evil: bool) -> None:
     base = {n: (torch_saved_evil() if evil else d) for n, d in SHARDS.items()}
-    _open_and_read(METADATA, {n: _mutate(d, edits, cut) for n, d in base.items()})
+    _open_and_read(METADATA, {n: mutate(d, edits, cut) for n, d in base.items()})
 
 
 def torch_saved_evil() -> bytes:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from deadweight.readers import CheckpointError, open_checkpoint
 from deadweight.readers.torch_file import REPEAT_READ_BYTES, UnmeasuredEntry
-from tests.fuzzing import FUZZ, fuzz
+from tests.fuzzing import FUZZ, byte_edits, fuzz, mutate
 
 pytestmark = fuzz
 
@@ -65,28 +65,18 @@ def _open_and_read(data: bytes) -> None:
     assert time.monotonic() - start < SECONDS
 
 
-_edits = st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), max_size=8)
-
-
-def _mutate(base: bytes, edits: list[tuple[int, int]], cut: int | None) -> bytes:
-    data = bytearray(base)
-    for position, value in edits:
-        data[position % len(data)] = value
-    return bytes(data[:cut] if cut is not None else data)
-
-
 @FUZZ
-@given(st.sampled_from([SAFE, EVIL, LEGACY]), _edits, st.none() | st.integers(0, len(SAFE)))
+@given(st.sampled_from([SAFE, EVIL, LEGACY]), byte_edits, st.none() | st.integers(0, len(SAFE)))
 def test_mutated_torch_save_files(
     base: bytes, edits: list[tuple[int, int]], cut: int | None
 ) -> None:
-    _open_and_read(_mutate(base, edits, cut))
+    _open_and_read(mutate(base, edits, cut))
 
 
 _member_data = st.one_of(
     st.binary(max_size=64),
     st.sampled_from([*MEMBERS.values(), *PICKLES]),
-    st.builds(_mutate, st.sampled_from([*MEMBERS.values(), *PICKLES]), _edits, st.none()),
+    st.builds(mutate, st.sampled_from([*MEMBERS.values(), *PICKLES]), byte_edits, st.none()),
 )
 
 
