@@ -8,13 +8,13 @@ import json
 import os
 import pickle
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-TIMEOUT = 300  # generous: shared CI machines
+from tests.cli_runner import deadweight_cli
+
 ENV = {**os.environ, "COLUMNS": "200"}
 
 
@@ -28,13 +28,7 @@ class Payload:
 
 
 def dw(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "deadweight", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=ENV,
-    )
+    return deadweight_cli(*args, env=ENV)
 
 
 def _run_dir(tmp_path: Path) -> tuple[Path, Path, Path]:

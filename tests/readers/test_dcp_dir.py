@@ -73,7 +73,8 @@ def test_missing_shard_file_is_named(tmp_path: Path) -> None:
         open_checkpoint(path)
 
 
-def test_malicious_metadata_is_refused_without_running(tmp_path: Path) -> None:
+def _evil_dcp_dir(tmp_path: Path) -> tuple[Path, Path]:
+    """A DCP directory whose .metadata pickle writes `marker` when unpickled."""
     marker = tmp_path / "marker"
     path = tmp_path / "evil"
     path.mkdir()
@@ -83,6 +84,11 @@ def test_malicious_metadata_is_refused_without_running(tmp_path: Path) -> None:
             return (Path.write_text, (marker, "pwned"))
 
     (path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    return path, marker
+
+
+def test_malicious_metadata_is_refused_without_running(tmp_path: Path) -> None:
+    path, marker = _evil_dcp_dir(tmp_path)
     with pytest.raises(CheckpointError, match=r"not a DCP metadata type.*--unsafe-pickle"):
         open_checkpoint(path)
     assert not marker.exists()
@@ -232,15 +238,7 @@ def test_malformed_metadata_fields_are_a_clear_error(tmp_path: Path, damage: Any
 def test_unsafe_pickle_metadata_is_noted(tmp_path: Path) -> None:
     from deadweight.readers.notes import collecting_notes
 
-    marker = tmp_path / "marker"
-    path = tmp_path / "evil"
-    path.mkdir()
-
-    class Payload:
-        def __reduce__(self) -> tuple[object, tuple[Path, str]]:
-            return (Path.write_text, (marker, "pwned"))
-
-    (path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    path, marker = _evil_dcp_dir(tmp_path)
     good = _save({"w": torch.ones(3)}, tmp_path / "good")
     with collecting_notes() as notes:
         with open_checkpoint(good, unsafe_pickle=True) as ckpt:

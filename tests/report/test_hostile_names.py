@@ -17,6 +17,7 @@ import pytest
 
 from deadweight.report import html as html_report
 from deadweight.report.text import render_plain
+from tests.cli_runner import deadweight_cli
 from tests.lint_helpers import CUT
 from tests.report.hostile import (
     CLEAR,
@@ -30,7 +31,6 @@ from tests.report.hostile import (
     strings,
 )
 
-TIMEOUT = 300  # generous: shared CI machines
 PLAIN = {**os.environ, "COLUMNS": "250", "NO_COLOR": "1"}
 PLAIN.pop("FORCE_COLOR", None)
 # Colour forced: what a terminal gets, styles and links included.
@@ -39,13 +39,7 @@ COLOUR.pop("NO_COLOR")
 
 
 def dw(*args: str | Path, env: dict[str, str] = PLAIN) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "deadweight", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=env,
-    )
+    return deadweight_cli(*args, env=env)
 
 
 @pytest.fixture(scope="module")
