@@ -180,6 +180,30 @@ def test_dw309_from_a_saved_log(tmp_path) -> None:
     assert report_from_stats(stats).by_code("DW309")
 
 
+def test_a_log_repeating_a_position_counts_it_once_per_skip(tmp_path) -> None:
+    """A hand-edited or corrupt log cannot make a parameter non-finite on more skips
+    than there were."""
+    import json
+
+    from deadweight.probes.event_log import read_log
+    from deadweight.probes.watch_stats import stats_from_events
+    from deadweight.watcher import report_from_stats
+
+    model, opt = _model_opt()
+    log = tmp_path / "run.jsonl"
+    with deadweight.watch(model, opt, log=log):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    lines = log.read_text().splitlines()
+    skip = {"event": "skip", "optimizer": 0, "step": 1, "nonfinite": [0] * 1000 + [99, 10**6]}
+    lines[-1:-1] = [json.dumps(skip)] * 10
+    log.write_text("\n".join(lines) + "\n")
+    stats = stats_from_events(read_log(log).events)
+    assert stats.params["0.weight"].skipped_nonfinite == 10
+    (found,) = report_from_stats(stats).by_code("DW304")
+    assert found.evidence["nonfinite_on_skips"] == {"0.weight": 10}
+
+
 @pytest.fixture(autouse=True)
 def _no_scaler_wrapper_left():
     yield

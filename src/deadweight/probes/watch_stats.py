@@ -320,7 +320,7 @@ class WatchStats:
             opt.skips_among_steps += 1
         for track in tracks:
             track.skipped += 1
-        for pos in event.get("nonfinite", ()):
+        for pos in set(event.get("nonfinite", ())):  # a parameter counts once per skip
             if 0 <= pos < len(tracks):
                 tracks[pos].skipped_nonfinite += 1
 
