@@ -202,6 +202,9 @@ def test_scaler_skips_reach_dw304_and_change_nothing(optimizer):
     # Steps 0-2 went through; a fused optimizer's skipped step is stepped (and counted).
     first = INF_STEPS[0] + (optimizer == "adamw-fused")
     assert skips[0].evidence["first_after_step"] == first
+    # The gradient the inf went into is named, on each skip: a fused optimizer's skips
+    # are counted on the device, and still blamed on it.
+    assert skips[0].evidence["nonfinite_on_skips"] == {"big.weight": len(INF_STEPS)}
     assert not [f for f in watched.report.findings if f.code == "DW305"]
 
 

@@ -145,6 +145,13 @@ def _loc(t: torch.Tensor) -> torch.Tensor:
     return distributed.local_tensor(t)
 
 
+GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
+
+
+def _own_grad(p: torch.Tensor) -> torch.Tensor | None:
+    return p.grad
+
+
 class _Bucket:
     """The device-side state for the monitored parameters that live on one device.
 
@@ -159,8 +166,10 @@ class _Bucket:
         params: list[torch.Tensor],
         small: int,
         shards: distributed.Shards | None = None,
+        grad_of: GradOf = _own_grad,
     ) -> None:
         self.device = device
+        self.grad_of = grad_of
         self.positions = positions  # indices into the monitor's parameter list
         self.local = {pos: k for k, pos in enumerate(positions)}  # and back
         self.params = params
@@ -170,6 +179,8 @@ class _Bucket:
         f64: dict[str, Any] = {"device": device, "dtype": torch.float64}
         self.gsq = torch.zeros(n, **f64)  # sum of squared grad norms since the last record
         self.bad_grad = torch.full((n,), -1, device=device, dtype=torch.int64)
+        # Steps a fused optimizer skipped on which this gradient held inf/NaN.
+        self.skip_nonfinite = torch.zeros(n, device=device, dtype=torch.int64)
         self.index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         with torch.no_grad():
             self.pnorm0 = torch.stack(
@@ -240,12 +251,15 @@ class _Bucket:
     def grads_before(self, step: int, present: list[int], amp: AmpStep | None = None) -> None:
         if not present:
             return
-        grads = [_loc(self.params[i].grad) for i in present]  # type: ignore[arg-type]
+        grads = [_loc(self.grad_of(self.params[i])) for i in present]  # type: ignore[arg-type]
         norms = torch.stack(torch._foreach_norm(grads)).double()
         weights = self.amp_weights(amp)
-        if weights is not None:  # the scaler's own inf/NaN are not the model's
-            norms = torch.where(weights[0], norms * weights[1], 0.0)
         index = self._index(tuple(present))
+        if weights is not None:  # the scaler's own inf/NaN are not the model's
+            # ...but on a step it skips for them, whose they were is counted (device side)
+            blamed = (~torch.isfinite(norms) & ~weights[0]).to(torch.int64)
+            self.skip_nonfinite.index_add_(0, index, blamed)
+            norms = torch.where(weights[0], norms * weights[1], 0.0)
         self.gsq.index_add_(0, index, norms * norms)
         seen = self.bad_grad.index_select(0, index)
         first = torch.where(~torch.isfinite(norms) & (seen < 0), step, seen)
@@ -258,7 +272,7 @@ class _Bucket:
         pre = self._cat_small()
         grads = []
         for i in self.small:
-            g = self.params[i].grad
+            g = self.grad_of(self.params[i])
             grads.append(
                 _loc(g).reshape(-1)
                 if g is not None
@@ -512,6 +526,11 @@ class StepMonitor:
         self.index = index
         self.shards = shards
         self.optimizer = optimizer
+        # Where each parameter's gradient is read: its `.grad`, or, for an optimizer
+        # that steps with gradients kept elsewhere (DeepSpeed's, through its view in
+        # probes/zero_partitions.py), what the optimizer's `grad_of` says.
+        grad_of = getattr(optimizer, "grad_of", None)
+        self.grad_of: GradOf = grad_of if callable(grad_of) else _own_grad
         self.config = config
         self.emit = emit
         # A monitor that replaces one of the same optimizer (parameters were added)
@@ -558,7 +577,7 @@ class StepMonitor:
         for i, p in enumerate(params):
             by_device.setdefault(p.device, []).append(i)
         self.buckets = [
-            _Bucket(device, pos, [params[i] for i in pos], config.small, shards)
+            _Bucket(device, pos, [params[i] for i in pos], config.small, shards, self.grad_of)
             for device, pos in by_device.items()
         ]
         self._present: list[int] = []
@@ -569,6 +588,7 @@ class StepMonitor:
         # read at watched steps (no sync per step); how many were reported already.
         self.fused_skips: torch.Tensor | None = None
         self.fused_skips_reported = 0
+        self.skip_blamed: dict[int, int] = {}  # per position: skips already blamed on it
         emit(self.describe())
 
     # -- the event that introduces this optimizer ----------------------------------------
@@ -590,7 +610,7 @@ class StepMonitor:
             "event": "optimizer",
             "optimizer": self.index,
             "start_step": self.start_step,
-            "class": type(self.optimizer).__name__,
+            "class": getattr(self.optimizer, "display_name", None) or type(self.optimizer).__name__,
             "groups": groups,
             "params": [
                 {
@@ -706,14 +726,32 @@ class StepMonitor:
         if self.fused_skips is None:
             return
         count = int(self.fused_skips)  # a sync, on watched steps of fused+GradScaler runs only
-        for _ in range(count - self.fused_skips_reported):
+        new = count - self.fused_skips_reported
+        if new <= 0:
+            return
+        # How many of the new skips each parameter's gradient was inf/NaN on: it is
+        # listed on that many of the skip events, so its count comes out exact.
+        blamed: dict[int, int] = {}
+        for bucket in self.buckets:
+            counts = bucket.skip_nonfinite.tolist()
+            for k, c in enumerate(counts):
+                delta = c - self.skip_blamed.get(bucket.positions[k], 0)
+                if delta > 0:
+                    blamed[bucket.positions[k]] = delta
+                    self.skip_blamed[bucket.positions[k]] = c
+        cause = getattr(self.optimizer, "skip_cause", None) or (
+            "GradScaler found inf/NaN gradients and the fused optimizer skipped its update"
+        )
+        for j in range(new):
+            bad = sorted(pos for pos, c in blamed.items() if c > j)
             self.emit(
                 {
                     "event": "skip",
                     "optimizer": self.index,
                     "step": self.step,
-                    "cause": "GradScaler found inf/NaN gradients and the fused optimizer "
-                    "skipped its update (counted at this watched step)",
+                    "cause": f"{cause} (counted at this watched step)",
+                    "nonfinite": bad[:MAX_SKIP_NAMES],
+                    "nonfinite_count": len(bad),
                     # step() was called (the kernel skipped), so it is among the steps
                     "counted_as_step": True,
                 }
@@ -721,7 +759,7 @@ class StepMonitor:
         self.fused_skips_reported = count
 
     def _gradients(self) -> None:
-        present = [i for i, p in enumerate(self.params) if p.grad is not None]
+        present = [i for i, p in enumerate(self.params) if self.grad_of(p) is not None]
         self._present = present
         for i in present:
             self.present_count[i] += 1
@@ -753,7 +791,7 @@ class StepMonitor:
                 if not self.had_state[i]:
                     self.had_state[i] = True
                     _HAD_STATE[p] = True
-            elif self.had_state[i] and p.grad is not None:
+            elif self.had_state[i] and self.grad_of(p) is not None:
                 fresh.append(i)
         if not fresh:
             return
@@ -881,7 +919,7 @@ class StepMonitor:
         check per parameter and one transfer per device, on skipped steps only."""
         by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for k, p in enumerate(self.params):
-            g = p.grad
+            g = self.grad_of(p)
             if g is None or g.is_sparse:
                 continue
             local = distributed.local_tensor(g)

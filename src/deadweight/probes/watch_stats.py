@@ -91,6 +91,7 @@ class OptimizerTrack:
     start_step: int = 0  # step numbers continue those of an earlier monitor of it
     scaler_skips: list[int] = field(default_factory=list)  # step counts at each skip
     skips_among_steps: int = 0  # skips a fused optimizer made inside a step() call
+    skipper: str = "a GradScaler"  # who skipped them: DeepSpeed skips steps itself
 
 
 @dataclass
@@ -316,6 +317,8 @@ class WatchStats:
             return
         opt, tracks = found
         opt.scaler_skips.append(int(event["step"]))
+        if str(event.get("cause", "")).startswith("DeepSpeed"):
+            opt.skipper = "DeepSpeed"
         if event.get("counted_as_step"):
             opt.skips_among_steps += 1
         for track in tracks:

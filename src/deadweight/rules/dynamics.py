@@ -366,7 +366,8 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
     """
     ## What it does
     Counts steps that did not update parameters which had a gradient: steps a
-    GradScaler skipped because it found inf/NaN gradients, steps with a learning
+    GradScaler (or DeepSpeed, which checks its own) skipped because it found inf/NaN
+    gradients, with the parameters whose gradient held them, steps with a learning
     rate of 0, and, for small parameters, steps whose update was lost entirely (for
     example below the precision of a bf16 parameter). A few skips are normal (a
     GradScaler calibrating its scale, lr 0 on the first warm-up step) and reported
@@ -401,7 +402,7 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
             share = len(skips) / max(1, total)
             culprits = _skip_culprits(stats, opt, minimum=1)
             yield get_rule("DW304").finding(
-                f"A GradScaler skipped {len(skips)} of {total} steps of "
+                f"{opt.skipper[0].upper()}{opt.skipper[1:]} skipped {len(skips)} of {total} steps of "
                 f"{opt.cls}#{opt.index} ({share:.1%}), the first after step {skips[0]}"
                 + (f"; inf/NaN gradients in {name_list(list(culprits))}." if culprits else "."),
                 params=list(culprits),
@@ -545,9 +546,14 @@ def _persistent_overflow(stats: WatchStats) -> Iterator[Finding]:
         names = list(culprits)
         yield get_rule("DW305").finding(
             f"The gradient of {name_list(names)} was NaN/Inf on up to {max(culprits.values())} "
-            f"of the {skips} steps a GradScaler skipped ({skips} of {total} steps of "
-            f"{opt.cls}#{opt.index}): a lower scale does not make it finite, so the model "
-            "no longer trains.",
+            f"of the {skips} steps {opt.skipper} skipped ({skips} of {total} steps of "
+            f"{opt.cls}#{opt.index}): "
+            + (
+                "a lower scale does not make it finite"
+                if opt.skipper == "a GradScaler"
+                else f"{opt.skipper} skips every step it is not finite on"
+            )
+            + ", so the model no longer trains.",
             params=names,
             location=module_of(names[0]),
             evidence={
@@ -572,8 +578,8 @@ def non_finite(stats: WatchStats) -> Iterator[Finding]:
     Checks every gradient for NaN/Inf at every step (one fused norm on the device,
     read back at the next watched step) and every parameter at each watched step,
     and reports the first step and parameter where it happened. Gradients on a step
-    a GradScaler skipped are the scaler's to handle (it lowers its scale and tries
-    again), unless it keeps skipping: when at least half of an optimizer's steps
+    a GradScaler (or DeepSpeed) skipped are the scaler's to handle (it lowers its
+    scale and tries again), unless it keeps skipping: when at least half of an optimizer's steps
     were skipped, the parameters whose gradient was inf/NaN on at least half of
     those skips are reported, since no lower scale makes them finite and the run no
     longer trains.
