@@ -2,8 +2,9 @@
 
 Each framework trains transformers' Llama code at a small random config (no
 download) on random tokens: a plain PyTorch loop, an Accelerate loop (through the
-AcceleratedOptimizer it hands back) and a Lightning Fabric loop (through its
-_FabricOptimizer). One model and optimizer train throughout; unwatched and watched
+AcceleratedOptimizer it hands back), a Lightning Fabric loop (through its
+_FabricOptimizer) and DeepSpeed's engine at ZeRO stages 2 and 3 (through the
+optimizer `deepspeed.initialize` returns; one CPU process with a gloo group). One model and optimizer train throughout; unwatched and watched
 blocks of `--block` steps take turns (A B A B ...), and each figure is the median
 over rounds of watched block time / the unwatched block just before it. The first
 step of each block is left out (attaching the watch measures it in full).
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,8 @@ import transformers
 import deadweight
 
 transformers.logging.set_verbosity_error()
+# DeepSpeed's ZeRO-3 calls a deprecated torch collective on every step.
+warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 ROOT = Path(__file__).parents[1]
 SEQ, BATCH, VOCAB = 64, 8, 2048
 
@@ -90,6 +94,34 @@ def fabric_loop() -> tuple[Any, Any, Step]:
 
     fabric = Fabric(accelerator="cpu", devices=1)
     return loop(fabric.setup, fabric.backward)
+
+
+def deepspeed_loop(stage: int) -> tuple[Any, Any, Step]:
+    """DeepSpeed's engine at a ZeRO stage, one process with its own gloo group, over the
+    usual two decay groups (so DeepSpeed steps its torch optimizer twice per step)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"),
+                       ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):  # fmt: skip
+        os.environ.setdefault(key, value)
+    import deepspeed
+
+    model = llama()
+    groups = [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+    }
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+
+    def step(ids: torch.Tensor) -> None:
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+    return engine, opt, step
 
 
 def block_ratio(build: Callable[[], Any], rounds: int, block: int) -> tuple[float, list[float]]:
@@ -161,17 +193,26 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=20)
     parser.add_argument("--nanogpt-runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed loops")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, blocks of {args.block} steps")
     print("framework          watched/unwatched (median)   per round")
-    for name, build in (
+    frameworks: list[tuple[str, Callable[[], Any]]] = [
         ("plain PyTorch", plain),
         ("Accelerate", accelerate_loop),
         ("Lightning Fabric", fabric_loop),
-    ):
+    ]
+    if not args.no_deepspeed:
+        frameworks += [
+            ("DeepSpeed ZeRO-2", lambda: deepspeed_loop(2)),
+            ("DeepSpeed ZeRO-3", lambda: deepspeed_loop(3)),
+        ]
+    for name, build in frameworks:
         med, ratios = block_ratio(build, args.rounds, args.block)
         print(f"{name:18} {med:8.3f}x                    {' '.join(f'{r:.3f}' for r in ratios)}")
+    if args.nanogpt_runs < 1:
+        return
     with tempfile.TemporaryDirectory() as tmp:
         work = nanogpt_dir(Path(tmp))
         ratios = []

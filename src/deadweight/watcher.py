@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from deadweight.config import ConfigLike, Settings, settings_for
-from deadweight.probes import distributed, owners, scaler_steps, wrappers
+from deadweight.probes import distributed, owners, scaler_steps, wrappers, zero_partitions
 from deadweight.probes.event_log import LogWriter, log_path_for_rank, start_event
 from deadweight.probes.replicas import ReplicaCheck
 from deadweight.probes.step_monitor import MonitorConfig, StepMonitor
@@ -90,6 +90,12 @@ def _stepping(optimizer: Any) -> Any:
 
 
 def _torch_optimizer_or_error(x: Any) -> torch.optim.Optimizer:
+    """The optimizer whose steps are watched: a DeepSpeed ZeRO optimizer's view over
+    the user's parameters (probes/zero_partitions.py), else the torch optimizer that
+    steps inside `x`."""
+    view = zero_partitions.view_of(x)
+    if view is not None:
+        return view
     found = wrappers.torch_optimizer(x)
     if found is None:
         raise TypeError(
@@ -162,6 +168,9 @@ class Watch:
         self._names: dict[int, str] = owners.parameter_names(self.models)
         self._emit(start_event(config.to_dict(), argv))
         watched = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+        for opt in optimizers:  # DeepSpeed's view watches the parameters' fp32 masters
+            if isinstance(opt, zero_partitions.ZeroView):
+                watched.update(id(p) for p in opt.owners.values())
         passengers = [
             (n, p)
             for model in self.models
@@ -197,12 +206,36 @@ class Watch:
             raise RuntimeError("this watch is closed; start a new one with deadweight.watch()")
         if id(optimizer) in self._monitors or optimizer in self._unwatched:
             return
+        self._adopt(optimizer)
         monitor = self._monitor_or_none(optimizer, passengers)
         if monitor is None:
             return
         self._handles.append(optimizer.register_step_pre_hook(self._pre_hook))
         self._handles.append(optimizer.register_step_post_hook(self._post_hook))
         self._count_backwards(optimizer)
+
+    def _adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """A DeepSpeed ZeRO view: name its tensors after the user's parameters, give
+        DeepSpeed its step back when the watch closes, and say what it cannot see."""
+        if not isinstance(optimizer, zero_partitions.ZeroView):
+            return
+        self._restore.append(optimizer.release)
+        for view_id, param in optimizer.owners.items():
+            name = self._names.get(id(param))
+            if name is not None:
+                self._names[view_id] = name
+        if optimizer.limit is not None:
+            self._emit(
+                {
+                    "event": "error",
+                    "optimizer": None,
+                    "step": self.stats.steps,
+                    "detector": "deepspeed",
+                    "message": f"DeepSpeed ZeRO's partitions cannot be mapped to the "
+                    f"parameters ({optimizer.limit}): the parameters are watched for "
+                    "movement only",
+                }
+            )
 
     def _count_backwards(self, optimizer: torch.optim.Optimizer) -> None:
         trainable = [
@@ -676,6 +709,8 @@ class GlobalWatch(Watch):
             if monitor is None:
                 if optimizer in self._unwatched:
                     return None
+                if self._zero_inner(optimizer):
+                    return None
                 monitor = self._discover(optimizer)
                 if monitor is None:
                     return None
@@ -685,23 +720,51 @@ class GlobalWatch(Watch):
     def _global_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._post_hook(optimizer, args, kwargs)
 
-    def _discover(self, optimizer: torch.optim.Optimizer) -> StepMonitor | None:
-        self._open_log()
+    def _zero_inner(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The torch optimizer inside a DeepSpeed ZeRO optimizer, stepped once per
+        parameter group on flat partitions: never watched itself. Its ZeRO optimizer
+        is watched through its view instead, from the next training step on (the
+        view's hooks run around DeepSpeed's whole step)."""
+        zero = zero_partitions.owner_of(optimizer)
+        if zero is None:
+            return False
+        self._unwatched.add(optimizer)
+        self._restore.append(zero_partitions.on_next_step(zero, self._watch_zero))
+        return True
+
+    def _watch_zero(self, zero: Any) -> zero_partitions.ZeroView | None:
+        if self._closed:
+            return None
+        view = zero_partitions.view_of(zero)
+        if view is not None and id(view) not in self._monitors:
+            self._open_log()
+            self._name_from_models(list(view.owners.values()))
+            self._adopt(view)
+            self._monitor_or_none(view)
+        return view
+
+    def _name_from_models(self, params: list[torch.Tensor]) -> None:
         try:
-            # Name from every model that a live optimizer trains, not only this one's: a
-            # GAN's generator and discriminator both have a `net.0.weight`, and the names
-            # must differ (by class prefix) from the first step, before the other steps.
-            params = [
-                p
-                for opt in _live_optimizers(optimizer)
-                for g in opt.param_groups
-                for p in g["params"]
-            ]
             models = owners.owning_models(params)
             for name_id, name in owners.parameter_names(models).items():
                 self._names.setdefault(name_id, name)
         except Exception as exc:  # unnamed parameters are still watched
             self._error("names", exc)
+
+    def _discover(self, optimizer: torch.optim.Optimizer) -> StepMonitor | None:
+        self._open_log()
+        # Name from every model that a live optimizer trains, not only this one's: a
+        # GAN's generator and discriminator both have a `net.0.weight`, and the names
+        # must differ (by class prefix) from the first step, before the other steps.
+        with contextlib.suppress(Exception):
+            self._name_from_models(
+                [
+                    p
+                    for opt in _live_optimizers(optimizer)
+                    for g in opt.param_groups
+                    for p in g["params"]
+                ]
+            )
         # An optimizer built over parameters another one trained (a new stage, a load
         # without optimizer state) takes them over: record the old one's last steps now.
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}

@@ -1,5 +1,9 @@
-"""DeepSpeed on CPU, ZeRO stages 0-3, each in its own process (DeepSpeed sets up a
-process group): `watch` takes the engine and optimizer as `initialize` returns them."""
+"""DeepSpeed on CPU, ZeRO stages 0-3, fp32 and bf16, each run in its own process
+(DeepSpeed sets up a process group): `watch` takes the engine and optimizer as
+`deepspeed.initialize` returns them, and `deadweight run` watches the unmodified
+script. DeepSpeed steps fp32 master copies in flat partitions, once per parameter
+group; the watch sees one step per training step, named after the model's own
+parameters (probes/zero_partitions.py)."""
 
 from __future__ import annotations
 
@@ -12,21 +16,33 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.harness import free_port
+from tests.e2e.zero_code import deadweight_run
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("deepspeed")
 
 SCRIPT = Path(__file__).parent / "scripts" / "deepspeed_loop.py"
-NAMES = ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+ROOT = Path(__file__).parents[2]
+STEPS = 60
+
+# The tiny Llama's cut-off parameters (the embedding and layer 0): DeepSpeed gives
+# them zero gradients, not None, so AdamW's weight decay moves the decayed ones.
+LAYER0_NORMS = {
+    "model.layers.0.input_layernorm.weight",
+    "model.layers.0.post_attention_layernorm.weight",
+}
 
 
-def _run(stage: int, cut: bool = False) -> dict:
+def _env() -> dict[str, str]:
     env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    root = Path(__file__).parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _run(stage: int, bug: str = "healthy", precision: str = "fp32", mode: str = "watch") -> dict:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(stage), "cut" if cut else "healthy"],
-        env=env,
+        [sys.executable, str(SCRIPT), str(stage), bug, precision, mode],
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -36,21 +52,104 @@ def _run(stage: int, cut: bool = False) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_healthy_deepspeed_run_is_watched_without_findings(stage: int) -> None:
-    result = _run(stage)
-    assert result["steps"] == 60
-    assert result["findings"] == []
+def _by_code(findings: list[dict]) -> dict[str, set[str]]:
+    return {f["code"]: set(f["params"]) for f in findings}
+
+
+def _model_names() -> set[str]:
+    from tests.e2e import seeded
+
+    return {n for n, _ in seeded.tiny_llama().named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("stage", "precision"),
+    [(0, "fp32"), (0, "bf16"), (1, "bf16"), (2, "fp32"), (3, "bf16"), (3, "fp32-offload")],
+)
+def test_a_healthy_run_is_watched_by_name_without_findings(stage: int, precision: str) -> None:
+    result = _run(stage, precision=precision)
+    assert result["steps"] == STEPS  # one per training step, not one per group
+    assert result["findings"] == [] and result["errors"] == [], result
+    assert set(result["params"]) == _model_names()  # no flat, nameless partitions
+    assert result["check"] == []
     assert "before deepspeed.initialize()" in result["check_refused"]
-    if stage == 0:  # the model's own parameters are what the optimizer steps
-        assert result["params"] == NAMES
-    elif stage < 3:  # a flat partition is stepped; the parameters are seen to move
-        assert set(NAMES) < set(result["params"])
+    assert result["step_restored"]  # DeepSpeed has its own step back after the watch
 
 
-def test_a_detached_layer_is_named_under_zero_stage_0() -> None:
-    """DeepSpeed gives the cut-off layer zero gradients, not None: AdamW's weight decay
-    moves it, so it is not unchanged (DW301), but its gradient is always 0 (DW310)."""
-    result = _run(0, cut=True)
-    assert [f["code"] for f in result["findings"]] == ["DW310"]
-    assert sorted(result["findings"][0]["params"]) == ["0.bias", "0.weight"]
+@pytest.mark.parametrize(
+    ("stage", "precision"),
+    [(0, "bf16"), (1, "fp32"), (2, "bf16"), (2, "fp32-offload"), (3, "fp32")],
+)
+def test_a_detached_layer_is_named_at_every_stage(stage: int, precision: str) -> None:
+    """The cut-off parameters split by weight decay: those without it never move
+    (DW301); those with it move, but their gradient is always zero (DW310)."""
+    from tests.e2e import seeded
+
+    cut = seeded.detach_first_layer(seeded.tiny_llama())
+    result = _run(stage, "cut", precision)
+    found = _by_code(result["findings"])
+    assert set(found) == {"DW301", "DW310"}, result["findings"]
+    assert found["DW301"] == LAYER0_NORMS
+    assert found["DW310"] == cut - LAYER0_NORMS
+    assert _by_code(result["check"])["DW101"] == cut  # and check before initialize
+
+
+def test_a_cancelled_scalar_is_caught_before_initialize() -> None:
+    result = _run(2, "scalar")
+    found = _by_code(result["check"])
+    for code in ("DW104", "DW203", "DW204"):
+        assert "model.scale" in found.get(code, set()), result["check"]
+    assert "model.scale" in result["params"]  # and watched by name under ZeRO
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gradients_that_are_always_inf_are_named_when_deepspeed_skips_every_step(
+    stage: int,
+) -> None:
+    """DeepSpeed skips a step with inf/NaN gradients itself (no GradScaler): the
+    skips are counted (DW304) and the parameters whose gradient is never finite named
+    (DW305)."""
+    result = _run(stage, "inf")
+    found = _by_code(result["findings"])
+    names = _model_names()
+    # Everything at or before layer 1's MLP gets the inf; the head and final norm do not.
+    finite = {"lm_head.weight", "model.norm.weight"}
+    assert found["DW305"] == names - finite, result["findings"]
+    assert found["DW304"] == names - finite
+    assert found["DW301"] == names  # no step went through
+
+
+def test_an_unknown_layout_is_said_and_watched_for_movement_only() -> None:
+    """A DeepSpeed whose partitions deadweight cannot map: one step per training step
+    still, the parameters watched for movement, and the report says why."""
+    result = _run(2, "cut", mode="unmapped")
+    assert result["steps"] == STEPS
+    assert [e["detector"] for e in result["errors"]] == ["deepspeed"]
+    assert "watched for movement only" in result["errors"][0]["message"]
+    # No gradients are seen, so only what never moved is found: the undecayed cut-offs.
+    assert _by_code(result["findings"]) == {"DW301": LAYER0_NORMS}
+
+
+def _zero_code(tmp_path: Path, bug: str) -> dict:
+    report, _ = deadweight_run(
+        sys.executable,
+        [sys.executable, str(SCRIPT), "2", bug, "fp32", "plain"],
+        cwd=tmp_path,
+        env=_env(),
+        log=tmp_path / f"{bug}.jsonl",
+        timeout=600,
+    )
+    return report
+
+
+def test_deadweight_run_watches_an_unmodified_deepspeed_script(tmp_path: Path) -> None:
+    """Zero-code: the torch optimizer inside DeepSpeed's steps once per group; the run
+    finds DeepSpeed's optimizer from it and watches that, by name, from the second
+    training step on."""
+    healthy = _zero_code(tmp_path, "healthy")
+    assert healthy["findings"] == [], healthy["findings"]
+    assert healthy["subject"]["steps"] == STEPS - 1
+    cut = _zero_code(tmp_path, "cut")
+    found = _by_code(cut["findings"])
+    assert found.get("DW301") == LAYER0_NORMS, cut["findings"]
+    assert "model.embed_tokens.weight" in found.get("DW310", set())

@@ -79,7 +79,9 @@ class WatchSession:
         """Start watching, or log why not and return None: deadweight never stops training."""
         if self._open:
             self.close("not closed: a new run started")
-        found = [o for o in (torch_optimizer(opt) for opt in optimizers) if o is not None]
+        # Handed on as they are: watch() looks through the wrappers itself (a DeepSpeed
+        # optimizer is watched through its view, not through the torch optimizer inside).
+        found = [opt for opt in optimizers if torch_optimizer(opt) is not None]
         if not found:
             kinds = ", ".join(type(o).__name__ for o in optimizers) or "none"
             self.logger.warning(

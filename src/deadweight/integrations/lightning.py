@@ -98,7 +98,7 @@ class DeadweightCallback(pl.Callback):  # type: ignore[name-defined]
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._session.open:
             self.close("not closed: the previous fit() ended without on_train_end")
-        optimizers = [o for o in (torch_optimizer(opt) for opt in trainer.optimizers) if o]
+        optimizers = [opt for opt in trainer.optimizers if torch_optimizer(opt) is not None]
         plugin = getattr(trainer, "precision_plugin", None)
         started = self._session.start(
             [pl_module],
