@@ -580,6 +580,13 @@ class Watch:
         with using(self.settings.thresholds):
             return report_from_stats(self.stats, select=select, ignore=ignore, log=self.log_path)
 
+    def _repr_html_(self) -> str:
+        """How Jupyter shows the watch: its report so far and the steps taken; a report
+        that cannot be built shows as a message, never as an exception."""
+        from deadweight.report.notebook import watch_html
+
+        return watch_html(self.report, steps=self.steps_taken, running=not self._closed)
+
     def close(self, reason: str = "closed") -> None:
         if self._closed:
             return

@@ -1,4 +1,5 @@
-"""Reporters render: a `Report` holds findings; text (rich) and JSON are views of it."""
+"""Reporters render: a `Report` holds findings; text (rich), JSON and a notebook's HTML
+are views of it."""
 
 from __future__ import annotations
 
@@ -69,6 +70,12 @@ class Report:
         from deadweight.report.text import render_plain
 
         return render_plain(self)
+
+    def _repr_html_(self) -> str:
+        """How Jupyter shows a report: a findings table (no plotly, no script)."""
+        from deadweight.report.notebook import report_html
+
+        return report_html(self)
 
 
 def _finite(value: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 from collections import defaultdict
 
 from rich.console import Console, Group
@@ -18,10 +19,13 @@ from deadweight.report.display import safe_text
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 _MAX_NAMES = 8
 _MAX_NESTED = 2  # per-parameter evidence shown in the terminal; JSON has it all
+PLAIN_WIDTH = 100  # columns of `str(report)` outside a notebook
 
 
 def render(report: Report, console: Console | None = None) -> None:
-    console = console or Console()
+    # In a notebook rich draws HTML at the notebook's width (JUPYTER_COLUMNS, else 115
+    # columns); a kernel rich does not recognise would get 80 columns of plain text.
+    console = console or Console(force_jupyter=True if in_notebook() else None)
     console.print(_header(report))
     for finding in report.findings:
         if finding.location is not None and finding.location.column is not None:
@@ -45,13 +49,46 @@ def diagnostic_line(finding: Finding) -> Text:
     return text
 
 
-def render_plain(report: Report, width: int = 100) -> str:
+def render_plain(report: Report, width: int | None = None) -> str:
+    """The report as text: `width` columns, by default 100, in a notebook its width."""
+    notebook = in_notebook()
+    if width is None:
+        width = Console(file=io.StringIO(), force_jupyter=True).width if notebook else PLAIN_WIDTH
     buffer = io.StringIO()
-    render(report, Console(file=buffer, width=width, no_color=True, highlight=False))
+    console = Console(
+        file=buffer,
+        width=width,
+        no_color=True,
+        highlight=False,
+        # A console that thinks it is in Jupyter displays what it prints itself and
+        # leaves its file empty; a notebook's FORCE_COLOR would add escape codes.
+        force_jupyter=False,
+        force_terminal=False if notebook else None,
+    )
+    render(report, console)
     return buffer.getvalue()
 
 
+def in_notebook() -> bool:
+    """Whether this process is a notebook's kernel: as rich detects Jupyter (also Colab,
+    Databricks), or any running ipykernel (VS Code, Spyder's console)."""
+    if Console(file=io.StringIO()).is_jupyter:
+        return True
+    # Looked up, never imported: outside a kernel, ipykernel is not loaded.
+    kernelapp = sys.modules.get("ipykernel.kernelapp")
+    app = getattr(kernelapp, "IPKernelApp", None)
+    try:
+        return app is not None and bool(app.initialized())
+    except Exception:  # a version without traitlets' singleton API
+        return False
+
+
 def _header(report: Report) -> Text:
+    return Text(safe_text(" · ".join(header_parts(report))), style="bold")
+
+
+def header_parts(report: Report) -> list[str]:
+    """`deadweight check`, the model, its parameters, ...: the report's summary line."""
     subject = report.subject
     parts = [f"deadweight {report.kind}"]
     if "model" in subject:
@@ -76,7 +113,7 @@ def _header(report: Report) -> Text:
         parts.append(f"loss {subject['loss']:.6g}")
     if subject.get("optimizer"):
         parts.append(f"optimizer {subject['optimizer']}")
-    return Text(safe_text(" · ".join(parts)), style="bold")
+    return parts
 
 
 def _finding_panel(finding: Finding) -> Panel:
@@ -133,19 +170,31 @@ def _short(value: object, depth: int = 0) -> str:
 
 
 def _footer(report: Report) -> Text:
+    prefix = "".join(safe_text(n) + "\n" for n in detector_notes(report))
+    if not report.findings:
+        return Text(prefix + "no findings", style="green")
+    text = ", ".join(part for _, part in count_parts(report))
+    return Text(prefix + text, style="bold red" if not report.ok else "bold")
+
+
+def count_parts(report: Report) -> list[tuple[Severity, str]]:
+    """`2 errors`, `1 warning`, `3 info`: each severity found, the gravest first."""
     counts = report.counts()
-    notes = [
+    parts = [
+        (sev, f"{n} {sev.value}{'s' if n != 1 and sev is not Severity.INFO else ''}")
+        for sev in Severity
+        if (n := counts[sev.value])
+    ]
+    return parts[::-1]
+
+
+def detector_notes(report: Report) -> list[str]:
+    """One line per detector the watch disabled after an error inside deadweight."""
+    return [
         f"deadweight disabled its {e.get('detector')} detector at step {e.get('step')}: "
         f"{e.get('message')}"
         for e in report.subject.get("detector_errors") or []
     ]
-    prefix = "".join(safe_text(n) + "\n" for n in notes)
-    if not report.findings:
-        return Text(prefix + "no findings", style="green")
-    parts = [
-        f"{n} {sev}{'s' if n != 1 and sev != 'info' else ''}" for sev, n in counts.items() if n
-    ]
-    return Text(prefix + ", ".join(reversed(parts)), style="bold red" if not report.ok else "bold")
 
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)")
