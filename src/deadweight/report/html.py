@@ -31,7 +31,7 @@ from deadweight.homologous import layer_key
 from deadweight.probes.event_log import LOG_SCHEMA_VERSION
 from deadweight.probes.watch_stats import WatchStats
 from deadweight.registry import get_rule
-from deadweight.report import SCHEMA_VERSION, Report, loss_curve
+from deadweight.report import SCHEMA_VERSION, Report, loss_curve, markdown
 from deadweight.report.display import html_text, plotly_text
 from deadweight.rules._wording import name_list
 
@@ -235,7 +235,7 @@ def _rule_docs(codes: Iterable[str]) -> str:
             f"<p>{html.escape(rule.summary)}</p>"
         )
         for heading, text in rule.sections().items():
-            parts.append(f"<h4>{html.escape(heading)}</h4><pre>{html.escape(text.strip())}</pre>")
+            parts.append(f"<h4>{html.escape(heading)}</h4>{markdown.to_html(text.strip())}")
         parts.append("</div>")
     parts.append("</section>")
     return "".join(parts)
@@ -856,6 +856,7 @@ th, td { border-bottom: 1px solid #ddd; padding: 4px 6px; text-align: left; vert
 .problems { background: #fff3e0; padding: 0.5em 1em; border-left: 4px solid #ef6c00; }
 .note { color: #555; font-style: italic; } .meta { color: #777; font-size: 13px; }
 pre { white-space: pre-wrap; background: #f6f8fa; padding: 0.5em; }
+code { background: #f6f8fa; } pre code { background: none; }
 .plot { margin: 1em 0; } .filters { margin: 0.5em 0; }
 """
 

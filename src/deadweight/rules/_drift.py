@@ -16,6 +16,7 @@ uses only the exact per-step statistics of small parameters (`SmallStats`):
 
 from __future__ import annotations
 
+import enum
 import math
 import statistics
 from dataclasses import dataclass
@@ -45,13 +46,29 @@ def directed(same_sign: float, moves: float, net_share: float, steps: int) -> bo
     return by_sign or by_net
 
 
+class Reference(enum.Enum):
+    """What a small parameter's gradient is compared with, in order of preference."""
+
+    SIBLINGS = "siblings"  # the same name up to a layer index: `blocks.{}.scale`
+    OPTIMIZER = "optimizer"  # without siblings: the other small parameters of its optimizer
+
+    def describe(self, template: str | None) -> str:
+        """The set as a noun phrase, for `... of the median of {phrase}`."""
+        if self is Reference.SIBLINGS:
+            return f"its siblings {template}" if template else "its siblings"
+        if self is Reference.OPTIMIZER:
+            return "the other small parameters of its optimizer"
+        raise AssertionError(f"no wording for {self}")
+
+
 @dataclass(frozen=True)
 class Drift:
     name: str
     steps: int
     grad_rms: float  # mean per-element |grad| per step
-    reference_grad_rms: float
-    reference: str  # "siblings" or "small parameters of the optimizer"
+    reference_grad_rms: float  # the median over the reference set
+    reference_kind: Reference
+    reference_template: str | None  # `blocks.{}.scale` for siblings
     update_rms: float  # mean per-element |update| per step
     reference_update_rms: float
     mean_lr: float
@@ -60,6 +77,11 @@ class Drift:
     start_norm: float | None
     net_share: float
     values: tuple[float, float] | None = None  # first and last logged value (scalars)
+
+    @property
+    def reference(self) -> str:
+        """The set its gradient is compared with, in words."""
+        return self.reference_kind.describe(self.reference_template)
 
     @property
     def grad_ratio(self) -> float:
@@ -108,7 +130,7 @@ def noise_driven(stats: WatchStats) -> list[Drift]:
         start = next((v for v in track.series.param_norm if v is not None), None)
         if start is not None and start > 0 and s.drift < limits.drift_min_relative * start:
             continue
-        reference, refs = _reference(name, track, tracks, siblings)
+        kind, template, refs = _reference(name, track, tracks, siblings)
         ref_values = [per[r] for r in refs if per[r] is not None]
         if len(ref_values) < 2:
             continue  # nothing to compare with: no verdict
@@ -122,7 +144,8 @@ def noise_driven(stats: WatchStats) -> list[Drift]:
                 steps=s.steps,
                 grad_rms=grad_rms,
                 reference_grad_rms=ref_grad,
-                reference=reference,
+                reference_kind=kind,
+                reference_template=template,
                 update_rms=update_rms,
                 reference_update_rms=ref_update,
                 mean_lr=lr,
@@ -143,14 +166,14 @@ def _reference(
     track: ParamTrack,
     tracks: dict[str, ParamTrack],
     siblings: dict[str, list[str]],
-) -> tuple[str, list[str]]:
+) -> tuple[Reference, str | None, list[str]]:
     mine = [n for n in siblings.get(name, []) if not tracks[n].pinned]
     if len(mine) >= 2:
         key = layer_key(name)
-        return f"siblings {key[0] if key else name}", mine
+        return Reference.SIBLINGS, key[0] if key else name, mine
     others = [
         n
         for n, t in tracks.items()
         if n != name and t.optimizer == track.optimizer and not t.pinned
     ]
-    return "the other small parameters of its optimizer", others
+    return Reference.OPTIMIZER, None, others

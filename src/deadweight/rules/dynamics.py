@@ -208,8 +208,11 @@ def drift_without_gradient(stats: WatchStats) -> Iterator[Finding]:
       `first_value`, `last_value`: how far and how steadily it moved.
     - `mean_update_lr`: its mean per-element update, in learning rates.
     - `same_sign_fraction`: the share of steps that moved it the same way.
-    - `grad_rms`, `reference_grad_rms`, `grad_ratio`, `reference`: its gradient against that of
-      its siblings (or the other small parameters of its optimizer).
+    - `grad_rms`, `reference_grad_rms`, `grad_ratio`: its gradient against the median of its
+      reference set.
+    - `reference_kind`, `reference`: that set, by kind and in words: `siblings` ("its siblings
+      blocks.{}.scale", the same name in other layers) or, with fewer than two unpinned
+      siblings, `optimizer` ("the other small parameters of its optimizer").
     - `mean_lr`: the mean learning rate.
     - `update_vs_signal`: how much more it moves per unit of gradient than its reference set.
     """
@@ -220,7 +223,7 @@ def drift_without_gradient(stats: WatchStats) -> Iterator[Finding]:
         yield get_rule("DW302").finding(
             f"{d.name} moves {d.update_rms / d.mean_lr:.2f} lr per step, {d.same_sign:.0%} of its "
             f"steps the same way, and has drifted {moved} in {d.steps} steps, while "
-            f"its gradient is {d.grad_ratio:.1e} of its {d.reference.split(' ')[0]}' "
+            f"its gradient is {d.grad_ratio:.1e} of the median of {d.reference} "
             f"({d.grad_rms:.2e} vs {d.reference_grad_rms:.2e}): Adam is turning noise into steps.",
             params=[d.name],
             location=module_of(d.name),
@@ -239,6 +242,7 @@ def drift_without_gradient(stats: WatchStats) -> Iterator[Finding]:
                 "grad_ratio": d.grad_ratio,
                 "update_vs_signal": d.update_vs_signal,
                 "reference": d.reference,
+                "reference_kind": d.reference_kind.value,
                 "mean_lr": d.mean_lr,
             },
         )
