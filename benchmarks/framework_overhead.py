@@ -187,6 +187,20 @@ def nanogpt_iter_ms(work: Path, watched: bool) -> float:
     return statistics.median(times)
 
 
+def nanogpt_first_iteration(work: Path, check: bool) -> tuple[float, float]:
+    """`deadweight run` with or without its step-0 check: iteration 0's time (the
+    check runs inside its optimizer step) and the median of iterations 20 on."""
+    log = work / "run.jsonl"
+    log.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "deadweight", "run", "--fail-on=never", "--isolated",
+           "--log", str(log), *([] if check else ["--no-check"]), "--",
+           sys.executable, "train.py", *NANOGPT_ARGS]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, check=True)
+    times = {int(it): float(ms) for it, ms in ITER.findall(out.stdout)}
+    return times[0], statistics.median(ms for it, ms in times.items() if it >= 20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
@@ -194,6 +208,7 @@ def main() -> None:
     parser.add_argument("--nanogpt-runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed loops")
+    parser.add_argument("--first-step-runs", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, blocks of {args.block} steps")
@@ -208,13 +223,14 @@ def main() -> None:
             ("DeepSpeed ZeRO-2", lambda: deepspeed_loop(2)),
             ("DeepSpeed ZeRO-3", lambda: deepspeed_loop(3)),
         ]
-    for name, build in frameworks:
+    for name, build in frameworks if args.rounds > 0 else []:
         med, ratios = block_ratio(build, args.rounds, args.block)
         print(f"{name:18} {med:8.3f}x                    {' '.join(f'{r:.3f}' for r in ratios)}")
-    if args.nanogpt_runs < 1:
-        return
     with tempfile.TemporaryDirectory() as tmp:
         work = nanogpt_dir(Path(tmp))
+        first_step(work, args.first_step_runs)
+        if args.nanogpt_runs < 1:
+            return
         ratios = []
         for _ in range(args.nanogpt_runs):
             base = nanogpt_iter_ms(work, watched=False)
@@ -223,6 +239,24 @@ def main() -> None:
             f"{'nanoGPT train.py':18} {statistics.median(ratios):8.3f}x (deadweight run)   "
             + " ".join(f"{r:.3f}" for r in ratios)
         )
+
+
+def first_step(work: Path, runs: int) -> None:
+    """The step-0 check's cost: iteration 0 with it / without it (`--no-check`), runs
+    alternating, and its extra time in plain iterations."""
+    if runs < 1:
+        return
+    ratios, extra = [], []
+    for _ in range(runs):
+        plain0, plain_iter = nanogpt_first_iteration(work, check=False)
+        checked0, _ = nanogpt_first_iteration(work, check=True)
+        ratios.append(checked0 / plain0)
+        extra.append((checked0 - plain0) / plain_iter)
+    print(
+        f"{'nanoGPT step 0':18} {statistics.median(ratios):8.3f}x (iteration 0, check / "
+        f"--no-check)   {' '.join(f'{r:.2f}' for r in ratios)}; extra = "
+        f"{statistics.median(extra):.1f} plain iterations"
+    )
 
 
 if __name__ == "__main__":

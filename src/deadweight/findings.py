@@ -63,6 +63,30 @@ class Location:
             parts.append(f"(module {self.module or '<root>'})")
         return " ".join(parts)
 
+    @classmethod
+    def from_dict(cls, data: Any) -> Location | None:
+        """A location as `to_dict` wrote it; fields of the wrong type are left out."""
+        if not isinstance(data, dict):
+            return None
+
+        def text(key: str) -> str | None:
+            value = data.get(key)
+            return value if isinstance(value, str) else None
+
+        def number(key: str) -> int | None:
+            value = data.get(key)
+            return value if type(value) is int and value >= 0 else None
+
+        return cls(
+            file=text("file"),
+            line=number("line"),
+            function=text("function"),
+            module=text("module"),
+            column=number("column"),
+            end_line=number("end_line"),
+            end_column=number("end_column"),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "file": self.file,
@@ -91,9 +115,12 @@ class Finding:
     location: Location | None = None
     evidence: Mapping[str, Any] = field(default_factory=dict)
     fix: str = ""
+    # When, for a watch: "step 0" for what its step-0 check found (`deadweight run`),
+    # None for what the watch saw while training.
+    phase: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "code": self.code,
             "name": self.name,
             "severity": self.severity.value,
@@ -103,3 +130,34 @@ class Finding:
             "evidence": dict(self.evidence),
             "fix": self.fix,
         }
+        if self.phase is not None:
+            out["phase"] = self.phase
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, *, phase: str | None = None) -> Finding:
+        """A finding as `to_dict` wrote it, read back from a log: every field is checked
+        (a log is untrusted input); ValueError says what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("a finding is not a table")
+        texts = {k: data.get(k) for k in ("code", "name", "message", "fix")}
+        for key in ("code", "name", "message"):
+            if not isinstance(texts[key], str) or not texts[key]:
+                raise ValueError(f"a finding's {key} is not text")
+        params = data.get("params", [])
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            raise ValueError("a finding's params are not a list of names")
+        evidence = data.get("evidence", {})
+        if not isinstance(evidence, dict):
+            raise ValueError("a finding's evidence is not a table")
+        return cls(
+            code=texts["code"],  # type: ignore[arg-type]
+            name=texts["name"],  # type: ignore[arg-type]
+            severity=Severity.parse(str(data.get("severity", ""))),
+            message=texts["message"],  # type: ignore[arg-type]
+            params=tuple(params),
+            location=Location.from_dict(data.get("location")),
+            evidence=evidence,
+            fix=texts["fix"] if isinstance(texts["fix"], str) else "",
+            phase=phase,
+        )

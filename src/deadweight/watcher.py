@@ -39,6 +39,7 @@ from deadweight.probes.step_monitor import MonitorConfig, StepMonitor
 from deadweight.probes.watch_stats import WatchStats
 from deadweight.registry import Selection, rules_consuming
 from deadweight.report import Report
+from deadweight.step_zero import FirstStep
 from deadweight.thresholds import Thresholds, using
 
 log = logging.getLogger(__name__)
@@ -636,7 +637,11 @@ class GlobalWatch(Watch):
         log: str | None,
         argv: list[str] | None,
         loss: bool = True,
+        check: bool = False,
     ) -> None:
+        """`loss`: record the loss at each `.backward()`; `check`: run
+        `deadweight.check` on the first training batch at the first optimizer step
+        (step_zero.py)."""
         super().__init__(config=config, log=log, argv=argv, lazy_log=True)
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
@@ -649,8 +654,14 @@ class GlobalWatch(Watch):
         self._handles.append(register_optimizer_step_pre_hook(self._global_pre))
         self._handles.append(register_optimizer_step_post_hook(self._global_post))
         self._tensor_backwards = 0  # scalar `.backward()` calls, when the loss is recorded
+        self._record_losses = loss
+        self._first: FirstStep | None = None
+        if check:
+            self._first = FirstStep()
+            self._restore.append(self._first.close)
         if loss:
             self._patch_scale()
+        if loss or check:
             self._patch_backward()
 
     @property
@@ -676,8 +687,11 @@ class GlobalWatch(Watch):
         `torch.autograd.backward(loss)` and `torch.autograd.grad` are not seen."""
         original = torch.Tensor.backward
         record = self._loss_from_backward
+        first = self._first
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if first is not None and not first.done:  # while the graph is whole
+                self._loss_to_check(first, tensor, args, kwargs)
             result = original(tensor, *args, **kwargs)
             self._tensor_backwards += 1
             # After backward returned: a backward that raises records nothing.
@@ -696,12 +710,11 @@ class GlobalWatch(Watch):
     def _loss_from_backward(
         self, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if self._closed or self._loss_off:
+        if self._closed or self._loss_off or not self._record_losses:
             return
         try:
-            gradient = args[0] if args else kwargs.get("gradient")
-            if gradient is not None or tensor.numel() != 1:
-                return  # a vector-Jacobian product, not a loss
+            if not _is_loss(tensor, args, kwargs):
+                return
             scaled = self._scaled
             if scaled is not None and scaled[0]() is tensor:
                 tensor = scaled[1]
@@ -710,7 +723,19 @@ class GlobalWatch(Watch):
         except Exception as exc:  # never let deadweight stop training
             self._loss_failed(exc)
 
+    def _loss_to_check(
+        self, first: FirstStep, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if self._closed:
+            return
+        with contextlib.suppress(Exception):  # never let deadweight stop training
+            if _is_loss(tensor, args, kwargs):  # a GradScaler's scaled loss leads back too
+                first.on_backward(tensor)
+
     def _global_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        first = self._first
+        if first is not None and not first.done and first.ready(args, kwargs):
+            self._step_zero(first, optimizer)
         with contextlib.suppress(Exception):
             monitor = self._current_monitor(optimizer)
             if monitor is None:
@@ -725,7 +750,19 @@ class GlobalWatch(Watch):
         return None
 
     def _global_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        first = self._first
+        if first is not None and not first.done:  # the backward ran inside step(closure)
+            self._step_zero(first, optimizer)
         self._post_hook(optimizer, args, kwargs)
+
+    def _step_zero(self, first: FirstStep, optimizer: torch.optim.Optimizer) -> None:
+        """The step-0 check, into the log; never stops the script."""
+        try:
+            event = first.run(optimizer)
+            self._open_log()
+            self._emit({"event": "check", "step": 0, **event})
+        except Exception as exc:
+            self._error("step-0 check", exc)
 
     def _zero_inner(self, optimizer: torch.optim.Optimizer) -> bool:
         """The torch optimizer inside a DeepSpeed ZeRO optimizer, stepped once per
@@ -805,6 +842,12 @@ class GlobalWatch(Watch):
         self._restore.append(restore)
 
 
+def _is_loss(tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """`.backward()` on a scalar with no gradient given: a loss, not a vector-Jacobian."""
+    gradient = args[0] if args else kwargs.get("gradient")
+    return gradient is None and tensor.numel() == 1
+
+
 def _begin_step(monitor: StepMonitor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The body of a step pre-hook: measure the gradients this step will use.
 
@@ -860,6 +903,7 @@ def report_from_stats(
 
     selection = Selection.of(select, ignore)
     findings = [f for r in rules_consuming(WatchStats) for f in r.judge(stats)]
+    findings += stats.step0  # `deadweight run`'s step-0 check, in its own section
     presence = presence_from_watch(stats)
     if presence is not None:
         findings += [f for r in rules_consuming(RankPresence) for f in r.judge(presence)]
@@ -873,6 +917,8 @@ def report_from_stats(
         "detector_errors": stats.errors,
         "problems": stats.problems,
     }
+    if stats.step0_mode is not None:
+        subject["step0"] = {"mode": stats.step0_mode, "note": stats.step0_note}
     if stats.ranks is not None:
         subject["distributed"] = {**stats.ranks, "complete": stats.ranks_complete}
     return Report.of("watch", selection.filter(findings), subject)

@@ -33,6 +33,7 @@ ENV_LOSS = "DEADWEIGHT_RUN_LOSS"
 # Written into the start event of every log of one `deadweight run`: the parent reports
 # the rank and pid logs that carry it, and no others.
 ENV_RUN_ID = "DEADWEIGHT_RUN_ID"
+ENV_CHECK = "DEADWEIGHT_RUN_CHECK"  # "0": no step-0 check (`deadweight run --no-check`)
 
 _reason = ["exited"]
 
@@ -100,6 +101,7 @@ def start() -> None:
         log=os.environ[ENV_LOG],
         argv=list(sys.argv),
         loss=os.environ.get(ENV_LOSS) != "0",
+        check=os.environ.get(ENV_CHECK) != "0",
     )
     previous_hook = sys.excepthook
 

@@ -77,7 +77,10 @@ def _workdir(tmp_path: Path, *, model_edit: tuple[str, str] | None = None) -> Pa
 
 def _run(work: Path, compile_: bool) -> tuple[dict, list[dict], str]:
     """`deadweight run` on train.py: its JSON report, the check's findings, stderr."""
+    # Dynamo says why it recompiles: deadweight's hooks must never be the reason.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if compile_:
+        env["TORCH_LOGS"] = "recompiles"
     env.pop("RANK", None)
     command = [sys.executable, "train.py", *ARGS, f"--compile={compile_}"]
     report, proc = deadweight_run(
@@ -115,6 +118,10 @@ def test_healthy_nanogpt_has_no_findings(tmp_path: Path, compile_: bool) -> None
     # Nothing deadweight does makes Dynamo complain in the user's compiled model.
     assert "Traceback" not in stderr
     assert "graph break" not in stderr.lower() and "_getframe" not in stderr
+    # Its one recompilation is nanoGPT's own (evaluation under no_grad, then training);
+    # the step-0 check's hooks, gone after step 0, are not among the guards.
+    reasons = [ln for ln in stderr.splitlines() if "__recompiles" in ln and " - " in ln]
+    assert not [r for r in reasons if "hooks" in r or "deadweight" in r], reasons
 
 
 def test_a_detached_attention_block_is_named(tmp_path: Path) -> None:
@@ -131,6 +138,18 @@ def test_a_detached_attention_block_is_named(tmp_path: Path) -> None:
     assert len(never) == 1, report["findings"]
     assert set(never[0]["params"]) == expected
     assert never[0]["evidence"]["cause"] == "they never received a gradient"
+    # ...and at step 0, with no change to the script, the cut and its line, as check says.
+    step0 = [f for f in report["findings"] if f.get("phase") == "step 0"]
+    assert report["subject"]["step0"]["mode"] == "replayed"
+    assert _facts(step0) == _facts(check)
+    (cut,) = [f for f in step0 if f["code"] == "DW102"]
+    assert set(cut["params"]) == expected
+    line = (work / "model.py").read_text().splitlines().index("        " + DETACHED_ATTENTION[1])
+    assert cut["location"]["file"].endswith("model.py") and cut["location"]["line"] == line + 1
+
+
+def _facts(findings: list[dict]) -> set[tuple]:
+    return {(f["code"], tuple(sorted(f["params"])), json.dumps(f["location"])) for f in findings}
 
 
 def test_a_scalar_before_ln_f_is_caught_at_step_0_compiled(tmp_path: Path) -> None:
@@ -141,8 +160,10 @@ def test_a_scalar_before_ln_f_is_caught_at_step_0_compiled(tmp_path: Path) -> No
     (work / "model.py").write_text(
         model.replace(init, init + "        self.scale = nn.Parameter(torch.ones(1))\n")
     )
-    _, check, _ = _run(work, compile_=True)
+    report, check, _ = _run(work, compile_=True)
     codes = _codes(check)
+    step0 = [f for f in report["findings"] if f.get("phase") == "step 0"]
+    assert _facts(step0) == _facts(check)  # the zero-code step-0 check, compiled too
     # Cancelled by ln_f; nanoGPT's configure_optimizers leaves dim < 2 undecayed; Adam drifts it.
     assert {"DW104", "DW203", "DW204"} <= codes, check
     for f in check:

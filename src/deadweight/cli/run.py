@@ -37,7 +37,7 @@ from deadweight.errors import InputError
 from deadweight.probes.event_log import process_logs_beside, read_start
 from deadweight.registry import Selection
 from deadweight.report.display import safe_text
-from deadweight.zero_code import ENV_EVERY, ENV_FULL, ENV_LOG, ENV_RUN_ID
+from deadweight.zero_code import ENV_CHECK, ENV_EVERY, ENV_FULL, ENV_LOG, ENV_RUN_ID
 
 try:
     import fcntl
@@ -70,6 +70,12 @@ def add_parser(sub: Any) -> None:
     )
     parser.add_argument(
         "--full", action="store_true", help="exact update norms of every parameter (copies them)"
+    )
+    parser.add_argument(
+        "--no-check",
+        action="store_true",
+        help="no step-0 check (deadweight.check on the first training batch, at the first "
+        "optimizer step)",
     )
     add_report_options(parser)
     add_html_option(parser)
@@ -107,6 +113,7 @@ def _run_and_report(command: list[str], log: str, held: int, args: argparse.Name
     env[ENV_EVERY] = str(args.every)
     env[ENV_FULL] = "1" if args.full else "0"
     env[ENV_RUN_ID] = run_id
+    env[ENV_CHECK] = "0" if args.no_check else "1"
     try:
         child = subprocess.Popen(command, env=env)
     except OSError as exc:

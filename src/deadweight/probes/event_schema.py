@@ -220,6 +220,14 @@ SCHEMA: dict[str, dict[str, tuple[Kind, bool]]] = {
         "groups": (LIST, True),
     },
     "rank_params": {**_PER_STEP, "names": (TEXTS, False), "held": (LIST, False)},
+    # `deadweight run`'s step-0 check: deadweight.check's findings, as to_dict wrote them
+    "check": {
+        "step": (COUNT, False),
+        "mode": (TEXT, True),
+        "findings": (LIST, True),
+        "note": (TEXT_OR_NULL, False),
+        "model": (TEXT, False),
+    },
 }
 # per-parameter arrays of a step event, in the order of the optimizer's parameters
 _PER_PARAM = ("grad_present", "lr0_steps", "grad_rms", "param_norm", "update_norm", "moved")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deadweight.errors import CollectiveError
+from deadweight.findings import Finding
 
 
 @dataclass
@@ -130,6 +131,11 @@ class WatchStats:
     loss_values: list[float | None] = field(default_factory=list)
     # Backward passes the watch counted (None: not known, a log from before they were).
     backwards: int | None = None
+    # `deadweight run`'s step-0 check: its findings, how it ran ("replayed",
+    # "structure-only", "unavailable") and why it could not do more.
+    step0: list[Finding] = field(default_factory=list)
+    step0_mode: str | None = None
+    step0_note: str | None = None
 
     @property
     def loss_recorded(self) -> bool:
@@ -326,6 +332,17 @@ class WatchStats:
         for pos in set(event.get("nonfinite", ())):  # a parameter counts once per skip
             if 0 <= pos < len(tracks):
                 tracks[pos].skipped_nonfinite += 1
+
+    def _on_check(self, event: dict[str, Any]) -> None:
+        self.step0_mode = str(event["mode"])
+        note = event.get("note")
+        self.step0_note = note if isinstance(note, str) else None
+        self.step0 = []
+        for data in event["findings"]:
+            try:
+                self.step0.append(Finding.from_dict(data, phase="step 0"))
+            except ValueError as exc:
+                self.problems.append(f"a step-0 finding was left out: {exc}")
 
     def _on_error(self, event: dict[str, Any]) -> None:
         self.errors.append({k: event.get(k) for k in ("optimizer", "step", "detector", "message")})

@@ -33,6 +33,7 @@ from deadweight.probes.watch_stats import WatchStats
 from deadweight.registry import get_rule
 from deadweight.report import SCHEMA_VERSION, Report, loss_curve, markdown
 from deadweight.report.display import html_text, plotly_text
+from deadweight.report.text import sections as sections_of
 from deadweight.rules._wording import name_list
 
 # 2000 points per trace: a 1000-pixel-wide plot shows no more, and 60 such plots
@@ -94,13 +95,16 @@ def render_html(sections: Sequence[Section], notes: Sequence[str] = ()) -> str:
     body: list[str] = [_summary(sections, notes)]
     rows: list[str] = []
     codes: set[str] = set()
+    step0: list[str] = []
     for index, section in enumerate(sections):
         plots = page.section_plots(index, section)
         for finding in section.report.findings:
             codes.add(finding.code)
-            rows.append(_finding_row(finding, section.label, plots.anchor_for(finding)))
+            label = section.label + (" · step 0" if finding.phase == "step 0" else "")
+            rows.append(_finding_row(finding, label, plots.anchor_for(finding)))
+        step0.append(_step0_section(section))
         body.append(plots.html)
-    body.insert(1, _findings_table(rows, codes))
+    body.insert(1, _findings_table(rows, codes) + "".join(step0))
     body.append(_rule_docs(codes))
     return _PAGE.format(
         title=html_text("deadweight report: " + ", ".join(s.label for s in sections)),
@@ -191,6 +195,29 @@ def _finding_row(finding: Finding, label: str, anchor: str | None) -> str:
         f'<td><a href="#rule-{code}">{code}</a> {html_text(finding.name)}</td>'
         f"<td>{html_text(finding.message, keep_newlines=True)}</td><td>{html_text(params)}</td>"
         f"<td>{html_text(label)}</td><td>{evidence}</td></tr>"
+    )
+
+
+def _step0_section(section: Section) -> str:
+    """A watch's step-0 check (`deadweight run`): what it found, next to what the watch
+    saw while training; empty for any other report."""
+    titled = [(t, f) for t, f in sections_of(section.report) if t is not None]
+    if not titled:
+        return ""
+    (title, first), (later_title, _) = titled[0], titled[-1]
+    head, _, note = title.partition("\n  note: ")
+    rows = "".join(_finding_row(f, section.label + " · step 0", None) for f in first)
+    table = (
+        '<table class="step0-table"><thead><tr><th>severity</th><th>rule</th><th>message</th>'
+        "<th>parameters</th><th>input</th><th>evidence</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
+        if rows
+        else ""
+    )
+    return (
+        f'<section class="step0"><h2>{html_text(section.label)}: {html_text(head)}</h2>'
+        + (f'<p class="note">{html_text(note)}</p>' if note else "")
+        + f"{table}<p>{html_text(later_title)} (in the table above)</p></section>"
     )
 
 

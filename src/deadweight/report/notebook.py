@@ -17,7 +17,13 @@ from collections.abc import Callable
 from deadweight.findings import Finding, Severity
 from deadweight.report import Report
 from deadweight.report.display import html_text
-from deadweight.report.text import compress_names, count_parts, detector_notes, header_parts
+from deadweight.report.text import (
+    compress_names,
+    count_parts,
+    detector_notes,
+    header_parts,
+    sections,
+)
 
 # The HTML report's colours (html._SEVERITY_COLOUR; a test keeps them equal). Not
 # imported: that module loads numpy and the watch probes, a notebook showing a saved
@@ -32,6 +38,7 @@ _TABLE = "border-collapse:collapse;margin:0.3em 0;font-size:13px;text-align:left
 _CELL = "border-bottom:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top"
 _TEXT = _CELL + ";white-space:pre-wrap;word-break:break-word"
 _MUTED = "color:#666"
+_TITLE = "margin-top:0.4em;white-space:pre-wrap"  # a section of a watch's findings
 
 
 def report_html(report: Report, *, status: str | None = None) -> str:
@@ -44,7 +51,15 @@ def report_html(report: Report, *, status: str | None = None) -> str:
     notes = "".join(
         f'<div style="{_MUTED}">{html_text(note)}</div>' for note in detector_notes(report)
     )
-    table = _table(report.findings) if report.findings else ""
+    table = "".join(
+        (
+            f'<div style="margin-top:0.4em;white-space:pre-wrap"><b>{html_text(title, keep_newlines=True)}</b></div>'
+            if title
+            else ""
+        )
+        + (_table(tuple(findings)) if findings else "")
+        for title, findings in sections(report)
+    )
     return (
         '<div class="deadweight-report">'
         f"<div><b>{html_text(' · '.join(parts))}</b>: {counts}</div>{notes}{table}</div>"

@@ -27,13 +27,37 @@ def render(report: Report, console: Console | None = None) -> None:
     # columns); a kernel rich does not recognise would get 80 columns of plain text.
     console = console or Console(force_jupyter=True if in_notebook() else None)
     console.print(_header(report))
-    for finding in report.findings:
-        if finding.location is not None and finding.location.column is not None:
-            # source findings print like compiler diagnostics so editors can jump to them
-            console.print(diagnostic_line(finding), soft_wrap=True)
-        else:
-            console.print(_finding_panel(finding))
+    for title, findings in sections(report):
+        if title is not None:  # the note in it is safe_text already
+            console.print(Text(safe_text(title, keep_newlines=True), style="bold"))
+        for finding in findings:
+            if finding.location is not None and finding.location.column is not None:
+                # source findings print like compiler diagnostics so editors can jump to them
+                console.print(diagnostic_line(finding), soft_wrap=True)
+            else:
+                console.print(_finding_panel(finding))
     console.print(_footer(report))
+
+
+def sections(report: Report) -> list[tuple[str | None, list[Finding]]]:
+    """The findings in the order shown, under a title where a watch report has the
+    step-0 check of `deadweight run`: first what that check found, then what the watch
+    saw while training. One untitled section otherwise."""
+    step0 = report.subject.get("step0") if report.kind == "watch" else None
+    if not isinstance(step0, dict):
+        return [(None, list(report.findings))]
+    first = [f for f in report.findings if f.phase == "step 0"]
+    later = [f for f in report.findings if f.phase != "step 0"]
+    how = {
+        "replayed": "deadweight.check on the first training batch",
+        "structure-only": "deadweight.check on the first training batch, with a stand-in loss",
+    }.get(str(step0.get("mode")), "not run")
+    title = f"At step 0 ({how}): {len(first) or 'no'} finding{'s' if len(first) != 1 else ''}"
+    note = step0.get("note")
+    if isinstance(note, str) and note:
+        title += f"\n  note: {safe_text(note)}"  # its own line breaks shown as \\n
+    return [(title, first), (f"While training: {len(later) or 'no'} finding"
+                             f"{'s' if len(later) != 1 else ''}", later)]  # fmt: skip
 
 
 def diagnostic_line(finding: Finding) -> Text:

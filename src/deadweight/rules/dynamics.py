@@ -215,16 +215,25 @@ def drift_without_gradient(stats: WatchStats) -> Iterator[Finding]:
       siblings, `optimizer` ("the other small parameters of its optimizer").
     - `mean_lr`: the mean learning rate.
     - `update_vs_signal`: how much more it moves per unit of gradient than its reference set.
+    - `predicted_at_step_0`: under `deadweight run`, the step-0 check's rule (DW104/DW105)
+      that found the loss cannot see it, before it had moved at all.
     """
+    # What `deadweight run`'s step-0 check said the loss cannot see (DW104/DW105).
+    predicted = {
+        name: f.code for f in stats.step0 if f.code in ("DW104", "DW105") for name in f.params
+    }
     for d in noise_driven(stats):
         moved = (
             f"{d.values[0]:.4g} -> {d.values[1]:.4g}" if d.values else f"{d.total_drift:.4g} (norm)"
         )
+        # (with several models the watch names by class, `Model:name`; the check does not)
+        at_step_0 = predicted.get(d.name) or predicted.get(d.name.partition(":")[2])
         yield get_rule("DW302").finding(
             f"{d.name} moves {d.update_rms / d.mean_lr:.2f} lr per step, {d.same_sign:.0%} of its "
             f"steps the same way, and has drifted {moved} in {d.steps} steps, while "
             f"its gradient is {d.grad_ratio:.1e} of the median of {d.reference} "
-            f"({d.grad_rms:.2e} vs {d.reference_grad_rms:.2e}): Adam is turning noise into steps.",
+            f"({d.grad_rms:.2e} vs {d.reference_grad_rms:.2e}): Adam is turning noise into steps."
+            + (f" Predicted at step 0 ({at_step_0}: the loss cannot see it)." if at_step_0 else ""),
             params=[d.name],
             location=module_of(d.name),
             evidence={
@@ -244,6 +253,7 @@ def drift_without_gradient(stats: WatchStats) -> Iterator[Finding]:
                 "reference": d.reference,
                 "reference_kind": d.reference_kind.value,
                 "mean_lr": d.mean_lr,
+                "predicted_at_step_0": at_step_0,
             },
         )
 
