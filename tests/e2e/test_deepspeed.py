@@ -39,17 +39,42 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(stage: int, bug: str = "healthy", precision: str = "fp32", mode: str = "watch") -> dict:
+HEALTHY = [(0, "fp32"), (0, "bf16"), (1, "bf16"), (2, "fp32"), (3, "bf16"), (3, "fp32-offload")]
+CUT = [(0, "bf16"), (1, "fp32"), (2, "bf16"), (2, "fp32-offload"), (3, "fp32")]
+# Every library-API run, in one process (DeepSpeed's start-up is most of each run's cost).
+SPECS = [
+    *(f"{stage}:healthy:{precision}:watch" for stage, precision in HEALTHY),
+    *(f"{stage}:cut:{precision}:watch" for stage, precision in CUT),
+    "2:scalar:fp32:watch",
+    "1:inf:fp32:watch",
+    "3:inf:fp32:watch",
+    "2:cut:fp32:unmapped",  # last: it forgets deadweight's layouts for the process
+]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, dict]:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(stage), bug, precision, mode],
+        [sys.executable, str(SCRIPT), *SPECS],
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT ") :])
+            results[result["spec"]] = result
+    assert proc.returncode == 0 and set(results) == set(SPECS), (
+        proc.stdout[-2000:] + proc.stderr[-4000:]
+    )
+    return results
+
+
+def _run(runs: dict[str, dict], stage: int, bug: str = "healthy", precision: str = "fp32",
+         mode: str = "watch") -> dict:  # fmt: skip
+    return runs[f"{stage}:{bug}:{precision}:{mode}"]
 
 
 def _by_code(findings: list[dict]) -> dict[str, set[str]]:
@@ -62,12 +87,11 @@ def _model_names() -> set[str]:
     return {n for n, _ in seeded.tiny_llama().named_parameters()}
 
 
-@pytest.mark.parametrize(
-    ("stage", "precision"),
-    [(0, "fp32"), (0, "bf16"), (1, "bf16"), (2, "fp32"), (3, "bf16"), (3, "fp32-offload")],
-)
-def test_a_healthy_run_is_watched_by_name_without_findings(stage: int, precision: str) -> None:
-    result = _run(stage, precision=precision)
+@pytest.mark.parametrize(("stage", "precision"), HEALTHY)
+def test_a_healthy_run_is_watched_by_name_without_findings(
+    runs: dict[str, dict], stage: int, precision: str
+) -> None:
+    result = _run(runs, stage, precision=precision)
     assert result["steps"] == STEPS  # one per training step, not one per group
     assert result["findings"] == [] and result["errors"] == [], result
     assert set(result["params"]) == _model_names()  # no flat, nameless partitions
@@ -76,17 +100,16 @@ def test_a_healthy_run_is_watched_by_name_without_findings(stage: int, precision
     assert result["step_restored"]  # DeepSpeed has its own step back after the watch
 
 
-@pytest.mark.parametrize(
-    ("stage", "precision"),
-    [(0, "bf16"), (1, "fp32"), (2, "bf16"), (2, "fp32-offload"), (3, "fp32")],
-)
-def test_a_detached_layer_is_named_at_every_stage(stage: int, precision: str) -> None:
+@pytest.mark.parametrize(("stage", "precision"), CUT)
+def test_a_detached_layer_is_named_at_every_stage(
+    runs: dict[str, dict], stage: int, precision: str
+) -> None:
     """The cut-off parameters split by weight decay: those without it never move
     (DW301); those with it move, but their gradient is always zero (DW310)."""
     from tests.e2e import seeded
 
     cut = seeded.detach_first_layer(seeded.tiny_llama())
-    result = _run(stage, "cut", precision)
+    result = _run(runs, stage, "cut", precision)
     found = _by_code(result["findings"])
     assert set(found) == {"DW301", "DW310"}, result["findings"]
     assert found["DW301"] == LAYER0_NORMS
@@ -94,8 +117,8 @@ def test_a_detached_layer_is_named_at_every_stage(stage: int, precision: str) ->
     assert _by_code(result["check"])["DW101"] == cut  # and check before initialize
 
 
-def test_a_cancelled_scalar_is_caught_before_initialize() -> None:
-    result = _run(2, "scalar")
+def test_a_cancelled_scalar_is_caught_before_initialize(runs: dict[str, dict]) -> None:
+    result = _run(runs, 2, "scalar")
     found = _by_code(result["check"])
     for code in ("DW104", "DW203", "DW204"):
         assert "model.scale" in found.get(code, set()), result["check"]
@@ -104,12 +127,12 @@ def test_a_cancelled_scalar_is_caught_before_initialize() -> None:
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_gradients_that_are_always_inf_are_named_when_deepspeed_skips_every_step(
-    stage: int,
+    runs: dict[str, dict], stage: int
 ) -> None:
     """DeepSpeed skips a step with inf/NaN gradients itself (no GradScaler): the
     skips are counted (DW304) and the parameters whose gradient is never finite named
     (DW305)."""
-    result = _run(stage, "inf")
+    result = _run(runs, stage, "inf")
     found = _by_code(result["findings"])
     names = _model_names()
     # Everything at or before layer 1's MLP gets the inf; the head and final norm do not.
@@ -119,10 +142,10 @@ def test_gradients_that_are_always_inf_are_named_when_deepspeed_skips_every_step
     assert found["DW301"] == names  # no step went through
 
 
-def test_an_unknown_layout_is_said_and_watched_for_movement_only() -> None:
+def test_an_unknown_layout_is_said_and_watched_for_movement_only(runs: dict[str, dict]) -> None:
     """A DeepSpeed whose partitions deadweight cannot map: one step per training step
     still, the parameters watched for movement, and the report says why."""
-    result = _run(2, "cut", mode="unmapped")
+    result = _run(runs, 2, "cut", mode="unmapped")
     assert result["steps"] == STEPS
     assert [e["detector"] for e in result["errors"]] == ["deepspeed"]
     assert "watched for movement only" in result["errors"][0]["message"]
@@ -133,7 +156,7 @@ def test_an_unknown_layout_is_said_and_watched_for_movement_only() -> None:
 def _zero_code(tmp_path: Path, bug: str) -> dict:
     report, _ = deadweight_run(
         sys.executable,
-        [sys.executable, str(SCRIPT), "2", bug, "fp32", "plain"],
+        [sys.executable, str(SCRIPT), f"2:{bug}:fp32:plain"],
         cwd=tmp_path,
         env=_env(),
         log=tmp_path / f"{bug}.jsonl",

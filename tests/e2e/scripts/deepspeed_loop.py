@@ -1,7 +1,8 @@
-"""One DeepSpeed run on CPU (a single process, its own gloo group) of a tiny Llama with
-the usual decay groups, 60 steps through `deepspeed.initialize`'s engine.
+"""DeepSpeed runs on CPU (one process, its own gloo group) of a tiny Llama with the
+usual decay groups, 60 steps each through `deepspeed.initialize`'s engine, one after
+the other in this process (each from a fresh model and engine).
 
-    deepspeed_loop.py STAGE BUG PRECISION MODE
+    deepspeed_loop.py STAGE:BUG:PRECISION:MODE [...]
 
 BUG: healthy | cut (layer 0's output detached) | scalar (a scalar before the final
 norm) | inf (layer 1's MLP gets inf gradients on every step). PRECISION: fp32 | bf16,
@@ -120,6 +121,8 @@ def main(stage: int, bug: str, precision: str, mode: str) -> dict[str, Any] | No
 
 
 if __name__ == "__main__":
-    result = main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
-    if result is not None:
-        print("RESULT " + json.dumps(result))
+    for spec in sys.argv[1:]:
+        stage, bug, precision, mode = spec.split(":")
+        result = main(int(stage), bug, precision, mode)
+        if result is not None:
+            print("RESULT " + json.dumps({"spec": spec, **result}), flush=True)
