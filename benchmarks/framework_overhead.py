@@ -174,6 +174,16 @@ def nanogpt_dir(tmp: Path) -> Path:
     return work
 
 
+# The DeepSpeed loops set these for their own process group: nanoGPT would take
+# them for a torchrun launch.
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    return {**env, "PYTHONPATH": str(ROOT / "src")}
+
+
 def nanogpt_iter_ms(work: Path, watched: bool) -> float:
     cmd = [sys.executable, "train.py", *NANOGPT_ARGS]
     if watched:
@@ -181,7 +191,7 @@ def nanogpt_iter_ms(work: Path, watched: bool) -> float:
         log.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "deadweight", "run", "--fail-on=never", "--isolated",
                "--log", str(log), "--", *cmd]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = _child_env()
     out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, check=True)
     times = [float(ms) for it, ms in ITER.findall(out.stdout) if int(it) >= 20]
     return statistics.median(times)
@@ -195,7 +205,7 @@ def nanogpt_first_iteration(work: Path, check: bool) -> tuple[float, float]:
     cmd = [sys.executable, "-m", "deadweight", "run", "--fail-on=never", "--isolated",
            "--log", str(log), *([] if check else ["--no-check"]), "--",
            sys.executable, "train.py", *NANOGPT_ARGS]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = _child_env()
     out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, check=True)
     times = {int(it): float(ms) for it, ms in ITER.findall(out.stdout)}
     return times[0], statistics.median(ms for it, ms in times.items() if it >= 20)
