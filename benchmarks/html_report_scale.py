@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from deadweight.cli import main as deadweight_main
-from deadweight.probes.event_log import LOG_SCHEMA_VERSION
+from deadweight.watching.event_log import LOG_SCHEMA_VERSION
 
 EVERY = 20
 SCALARS = 50

@@ -140,7 +140,7 @@ def run(variant: str, path: str) -> dict[str, float]:
     if "deadweight" in body:
         # the rule modules too: without cached bytecode (PYTHONDONTWRITEBYTECODE) compiling
         # them costs about half a second, which is not reading
-        imports += "\nimport deadweight, deadweight.forensics\ndeadweight.all_rules()"
+        imports += "\nimport deadweight, deadweight.checkpoints.api\ndeadweight.all_rules()"
     if "torch" in body:
         imports += "\nimport torch\nfrom safetensors.torch import load_file"
     # As the command line does after its imports (cli.main): the objects they made are

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import deadweight
-from deadweight.watcher import GlobalWatch, Watch, watch_all
+from deadweight.watching.watcher import GlobalWatch, Watch, watch_all
 
 EVERY = 20  # watch's default cadence
 

@@ -71,8 +71,8 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     import torch.distributed as dist
 
     import deadweight
-    from deadweight.probes.replicas import ReplicaCheck
-    from deadweight.probes.step_monitor import StepMonitor
+    from deadweight.distributed.replicas import ReplicaCheck
+    from deadweight.watching.step_monitor import StepMonitor
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))

@@ -34,7 +34,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import deadweight
-from deadweight.probes.step_monitor import StepMonitor
+from deadweight.watching.step_monitor import StepMonitor
 
 transformers.logging.set_verbosity_error()
 

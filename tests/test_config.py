@@ -12,7 +12,7 @@ import deadweight
 from deadweight import config
 from deadweight.config import Config, path_matches
 from deadweight.errors import ConfigError
-from tests.lint_helpers import write
+from tests.linting.helpers import write
 
 CHECKPOINTED = (
     "import torch\n\ndef f(block, x):\n    return torch.utils.checkpoint.checkpoint(block, x)\n"

@@ -74,7 +74,7 @@ def test_the_plugin_is_registered_by_its_entry_point() -> None:
 def test_loading_the_plugin_imports_neither_torch_nor_deadweights_checks() -> None:
     code = (
         "import sys, deadweight.pytest_plugin\n"
-        "heavy = [m for m in ('torch', 'deadweight.check_model', 'deadweight.testing') "
+        "heavy = [m for m in ('torch', 'deadweight.checking.api', 'deadweight.testing') "
         "if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from deadweight import registry
+from deadweight.checking.grad_flow import GradFlowStats
 from deadweight.findings import Finding, Severity
-from deadweight.probes.grad_flow import GradFlowStats
 from deadweight.registry import DOC_SECTIONS, Selection, all_rules, get_rule, rule
 
 DOC = """

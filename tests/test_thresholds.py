@@ -10,10 +10,10 @@ import pytest
 
 import deadweight
 from deadweight import thresholds
+from deadweight.checkpoints.checkpoint_scan import DEFAULT_SCHEME
 from deadweight.demos import fused_rmsnorm
 from deadweight.errors import ConfigError
 from deadweight.homologous import robust_outlier
-from deadweight.probes.checkpoint_scan import DEFAULT_SCHEME
 from deadweight.registry import get_rule
 from deadweight.thresholds import Thresholds
 

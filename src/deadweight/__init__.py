@@ -42,33 +42,33 @@ _EXPORTS: dict[str, str] = {
     "Rule": "deadweight.registry",
     "Severity": "deadweight.findings",
     "Thresholds": "deadweight.thresholds",
-    "Watch": "deadweight.watcher",
+    "Watch": "deadweight.watching.watcher",
     "all_rules": "deadweight.registry",
-    "check": "deadweight.check_model",
-    "diff_checkpoints": "deadweight.forensics",
+    "check": "deadweight.checking.api",
+    "diff_checkpoints": "deadweight.checkpoints.api",
     "get_rule": "deadweight.registry",
-    "inspect_checkpoints": "deadweight.forensics",
-    "lint_paths": "deadweight.lint",
+    "inspect_checkpoints": "deadweight.checkpoints.api",
+    "lint_paths": "deadweight.linting.api",
     "load_config": "deadweight.config",
     "param_groups": "deadweight.fixes.param_groups",
     "pin": "deadweight.fixes.pin",
-    "trend_checkpoints": "deadweight.forensics",
-    "watch": "deadweight.watcher",
+    "trend_checkpoints": "deadweight.checkpoints.api",
+    "watch": "deadweight.watching.watcher",
 }
 
 if TYPE_CHECKING:
-    from deadweight.check_model import check
+    from deadweight.checking.api import check
+    from deadweight.checkpoints.api import diff_checkpoints, inspect_checkpoints, trend_checkpoints
     from deadweight.config import Config, load_config
     from deadweight.errors import ConfigError, DeadweightError, InputError, LossFnError
     from deadweight.findings import Finding, Location, Severity
     from deadweight.fixes.param_groups import param_groups
     from deadweight.fixes.pin import PinHandle, pin
-    from deadweight.forensics import diff_checkpoints, inspect_checkpoints, trend_checkpoints
-    from deadweight.lint import lint_paths
+    from deadweight.linting.api import lint_paths
     from deadweight.registry import Rule, all_rules, get_rule
     from deadweight.report import SCHEMA_VERSION, Report
     from deadweight.thresholds import Thresholds
-    from deadweight.watcher import Watch, watch
+    from deadweight.watching.watcher import Watch, watch
 
 __all__ = [  # the same names as _EXPORTS, and the version
     "SCHEMA_VERSION",

@@ -64,7 +64,7 @@ class DeadweightFixture:
     def check(self, model: Any, loss_fn: Any, optimizer: Any = None, **overrides: Any) -> Report:
         """`deadweight.check` under the project configuration and the marker's rules and
         thresholds, without asserting anything."""
-        from deadweight.check_model import check
+        from deadweight.checking.api import check
 
         merged = self._merged(overrides)
         merged.pop("fail_on", None)

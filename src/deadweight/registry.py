@@ -4,8 +4,8 @@ Every rule is declared once, with `@rule(...)` on the function that judges: code
 readable name, default severity, a one-line summary, the kind of measurement it
 consumes, and its documentation (the function's docstring, with the headings
 What it does / Why is this bad / Example / Fix). Rule modules live in
-`deadweight.rules` and are discovered there, so adding a rule needs no edit anywhere
-else.
+each capability's `rules` package (`RULE_PACKAGES`) and are discovered there, so
+adding a rule needs no edit anywhere else.
 
 Code families (codes are never reused or renumbered once published; retired codes
 go into `RETIRED_CODES`):
@@ -125,15 +125,26 @@ def rule(
     return register
 
 
+# Each capability keeps its rules in a `rules` package of its own; every module in
+# one is imported, so a new rule file needs no edit elsewhere.
+RULE_PACKAGES = (
+    "deadweight.checking.rules",
+    "deadweight.watching.rules",
+    "deadweight.checkpoints.rules",
+    "deadweight.linting.rules",
+    "deadweight.distributed.rules",
+)
+
+
 def _load() -> None:
     global _loaded
     if _loaded:
         return
     _loaded = True
-    import deadweight.rules as package
-
-    for info in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{info.name}")
+    for name in RULE_PACKAGES:
+        package = importlib.import_module(name)
+        for info in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{name}.{info.name}")
 
 
 def all_rules() -> list[Rule]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deadweight.check_model import check
+from deadweight.checking.api import check
 from deadweight.config import ConfigLike, resolve
 from deadweight.findings import Finding, Severity
 from deadweight.registry import Selection, all_rules

@@ -224,7 +224,7 @@ def _value_problem(name: str, value: Any) -> str | None:
         if not isinstance(value, str):
             return f"must be a string, got {value!r}"
         if name == "quantization_scheme" and value != "none":
-            from deadweight.probes.quantization import Scheme
+            from deadweight.checkpoints.quantization import Scheme
 
             try:
                 Scheme.parse(value)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.lint_helpers import CUT, write
+from tests.linting.helpers import CUT, write
 
 TIMEOUT = 300  # generous: shared CI machines
 ENV = {**os.environ, "COLUMNS": "200"}

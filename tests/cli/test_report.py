@@ -15,7 +15,7 @@ import pytest
 import deadweight
 from deadweight.cli import main
 from deadweight.demos import fused_rmsnorm
-from deadweight.probes.event_log import LOG_SCHEMA_VERSION, read_log
+from deadweight.watching.event_log import LOG_SCHEMA_VERSION, read_log
 
 TIMEOUT = 300  # generous: shared CI machines
 WIDE = {"COLUMNS": "200"}  # rich wraps at 80 columns without a terminal

@@ -27,8 +27,8 @@ from deadweight.cli import main
 from deadweight.cli.report import classify, load_sections, report_from_dict
 from deadweight.demos import fused_rmsnorm
 from deadweight.errors import InputError
-from deadweight.probes.event_log import read_log
 from deadweight.report.text import render_plain
+from deadweight.watching.event_log import read_log
 from tests.fuzzing import FUZZ, examples, fuzz
 
 pytestmark = fuzz

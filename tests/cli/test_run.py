@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from deadweight.probes.event_log import read_log
+from deadweight.watching.event_log import read_log
 
 TIMEOUT = 300  # generous: shared CI machines
 ENV = {**os.environ, "COLUMNS": "200"}  # rich wraps at 80 columns without a terminal

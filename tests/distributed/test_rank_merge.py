@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deadweight.distributed import ranks as distributed
+from deadweight.distributed.ranks import RankPresence
+from deadweight.distributed.rules._ranks import merge_rank_findings
+from deadweight.distributed.rules.distributed import (
+    optimizer_differs_across_ranks,
+    rank_dependent_gradient,
+)
 from deadweight.errors import InputError
 from deadweight.findings import Finding, Location, Severity
-from deadweight.probes import distributed
-from deadweight.probes.distributed import RankPresence
-from deadweight.rules._ranks import merge_rank_findings
-from deadweight.rules.distributed import optimizer_differs_across_ranks, rank_dependent_gradient
 
 
 def _finding(code: str, params: tuple[str, ...], message: str = "m") -> Finding:

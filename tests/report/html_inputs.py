@@ -15,7 +15,7 @@ import numpy as np
 
 import deadweight
 from deadweight.demos import fused_rmsnorm, layer_scalar_drift
-from tests.test_forensics_seeds import _incident_checkpoint
+from tests.checkpoints.test_forensics_seeds import _incident_checkpoint
 
 TIMEOUT = 300  # generous: shared CI machines
 LAST = f"blocks.{layer_scalar_drift.LAYERS - 1}.layer_scalar"

@@ -18,7 +18,7 @@ import pytest
 from deadweight.report import html as html_report
 from deadweight.report.text import render_plain
 from tests.cli_runner import deadweight_cli
-from tests.lint_helpers import CUT
+from tests.linting.helpers import CUT
 from tests.report.hostile import (
     CLEAR,
     HOSTILE,

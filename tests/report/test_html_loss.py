@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from deadweight.cli import main
-from deadweight.probes.watch_stats import WatchStats
 from deadweight.registry import get_rule
 from deadweight.report import Report, loss_curve
 from deadweight.report import html as html_report
+from deadweight.watching.watch_stats import WatchStats
 from tests.report.html_inputs import LAST, dw, figure, loss_log
 
 pytest.importorskip("plotly", reason="the HTML report needs deadweight[html]")

@@ -9,7 +9,7 @@ from pathlib import Path
 import deadweight
 from deadweight.registry import get_rule
 from deadweight.report.sarif import FINGERPRINT, SRCROOT, to_sarif
-from tests.lint_helpers import write
+from tests.linting.helpers import write
 
 SOURCE = """
 import torch

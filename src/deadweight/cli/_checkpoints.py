@@ -18,9 +18,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 from rich.text import Text
 
+from deadweight.checkpoints.readers import find_checkpoints
+from deadweight.checkpoints.readers.base import PASS_THROUGH, reading_error
 from deadweight.cli._common import add_html_option, add_report_options, emit
-from deadweight.readers import find_checkpoints
-from deadweight.readers.base import PASS_THROUGH, reading_error
 from deadweight.report import Report
 from deadweight.report.display import plain, safe_text
 

@@ -11,9 +11,9 @@ from rich.console import Console
 from deadweight import config as config_module
 from deadweight.config import Config, Settings
 from deadweight.findings import Severity
-from deadweight.probes.watch_stats import WatchStats
 from deadweight.report import Report
 from deadweight.report.text import render
+from deadweight.watching.watch_stats import WatchStats
 
 FAIL_ON_CHOICES = config_module.FAIL_ON_CHOICES
 

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from deadweight.check_model import check
+from deadweight.checking.api import check
 from deadweight.cli._common import add_html_option, add_report_options, emit
 from deadweight.errors import InputError, LossFnError
 

@@ -7,10 +7,10 @@ from typing import Any
 
 from rich.console import Console
 
-from deadweight.check_model import check
+from deadweight.checking.api import check
 from deadweight.demos import fused_rmsnorm, layer_scalar_drift
 from deadweight.report.text import render
-from deadweight.watcher import watch
+from deadweight.watching.watcher import watch
 
 HELP = "run the seed incidents and show what deadweight reports for them"
 

@@ -11,8 +11,8 @@ from rich.console import Console
 from deadweight.cli._common import add_report_options
 from deadweight.errors import InputError
 from deadweight.findings import Severity
-from deadweight.lint import AUTO, lint_paths
-from deadweight.probes.source_files import MAX_TOKENS
+from deadweight.linting.api import AUTO, lint_paths
+from deadweight.linting.source_files import MAX_TOKENS
 from deadweight.report import Report
 from deadweight.report.display import safe_text
 from deadweight.report.sarif import render_sarif

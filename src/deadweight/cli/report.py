@@ -13,14 +13,14 @@ from typing import Any
 from deadweight.cli._common import add_report_options, emit
 from deadweight.errors import InputError
 from deadweight.findings import Finding, Location, Severity
-from deadweight.probes.event_log import iter_runs, parse_line, read_log
-from deadweight.probes.watch_stats import WatchStats
 from deadweight.registry import Selection
 from deadweight.report import SCHEMA_VERSION, Report
 from deadweight.report.display import safe_text
 from deadweight.report.html import Section
 from deadweight.report.text import render_plain
-from deadweight.watcher import report_from_stats
+from deadweight.watching.event_log import iter_runs, parse_line, read_log
+from deadweight.watching.watch_stats import WatchStats
+from deadweight.watching.watcher import report_from_stats
 
 HELP = (
     "rebuild the report of a watched run from its event log (also of a killed run), or "

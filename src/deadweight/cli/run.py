@@ -1,7 +1,7 @@
 """`deadweight run -- python train.py ARGS`: watch an unmodified training script.
 
 The command runs in a child process whose interpreter starts deadweight's global
-optimizer hooks before the script's first line (see `deadweight.zero_code`). When
+optimizer hooks before the script's first line (see `deadweight.watching.zero_code`). When
 it ends, however it ends (exit, exception, Ctrl-C, kill), the report is rebuilt
 from the event log and printed, and the script's own exit code is returned. A
 SIGTERM sent to deadweight is passed on to the script at once.
@@ -34,10 +34,10 @@ import deadweight
 from deadweight.cli._common import add_html_option, add_report_options, emit
 from deadweight.cli.report import load_log
 from deadweight.errors import InputError
-from deadweight.probes.event_log import process_logs_beside, read_start
 from deadweight.registry import Selection
 from deadweight.report.display import safe_text
-from deadweight.zero_code import ENV_CHECK, ENV_EVERY, ENV_FULL, ENV_LOG, ENV_RUN_ID
+from deadweight.watching.event_log import process_logs_beside, read_start
+from deadweight.watching.zero_code import ENV_CHECK, ENV_EVERY, ENV_FULL, ENV_LOG, ENV_RUN_ID
 
 try:
     import fcntl
@@ -107,7 +107,7 @@ def _run_and_report(command: list[str], log: str, held: int, args: argparse.Name
     run_id = uuid.uuid4().hex
     _remove_stale_process_logs(log)
     env = dict(os.environ)
-    bootstrap = os.path.join(os.path.dirname(deadweight.__file__), "_bootstrap")
+    bootstrap = os.path.join(os.path.dirname(deadweight.__file__), "watching", "_bootstrap")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap, env.get("PYTHONPATH")) if p)
     env[ENV_LOG] = log
     env[ENV_EVERY] = str(args.every)

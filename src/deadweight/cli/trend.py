@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from deadweight import forensics
+from deadweight.checkpoints import api as forensics
 from deadweight.cli._checkpoints import add_checkpoint_options, expand, finish, trend_table
 from deadweight.errors import InputError
 

@@ -213,7 +213,7 @@ class Story:
 
 
 def run_story(steps: int = 4000, resets: int = 5, every: int = 250) -> Story:
-    from deadweight.check_model import check
+    from deadweight.checking.api import check
     from deadweight.fixes.pin import pin
 
     setup = make()

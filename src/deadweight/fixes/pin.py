@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from deadweight import wrappers
 from deadweight.errors import InputError
-from deadweight.probes import wrappers
 
 _NO_ATTR = object()
 

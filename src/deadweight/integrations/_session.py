@@ -11,9 +11,9 @@ from typing import Any
 from torch import nn
 
 from deadweight.integrations.forward import forward_to
-from deadweight.probes.wrappers import torch_optimizer
 from deadweight.report import Report
-from deadweight.watcher import Watch, watch
+from deadweight.watching.watcher import Watch, watch
+from deadweight.wrappers import torch_optimizer
 
 
 def rank_path(path: str | os.PathLike[str] | None, rank: int, world_size: int) -> str | None:

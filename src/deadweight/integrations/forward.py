@@ -30,9 +30,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from deadweight.probes.watch_stats import WatchStats
 from deadweight.report import Report
-from deadweight.watcher import Watch
+from deadweight.watching.watch_stats import WatchStats
+from deadweight.watching.watcher import Watch
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ import torch
 
 from deadweight.integrations._session import WatchSession, checked_forward
 from deadweight.integrations.forward import MAX_PARAMS
-from deadweight.probes.wrappers import torch_optimizer
 from deadweight.report import Report
-from deadweight.watcher import Watch, exit_reason
+from deadweight.watching.watcher import Watch, exit_reason
+from deadweight.wrappers import torch_optimizer
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from transformers.trainer_callback import CallbackHandler
 from deadweight.integrations._session import WatchSession, checked_forward
 from deadweight.integrations.forward import MAX_PARAMS
 from deadweight.report import Report
-from deadweight.watcher import Watch, exit_reason
+from deadweight.watching.watcher import Watch, exit_reason
 
 logger = logging.getLogger(__name__)
 

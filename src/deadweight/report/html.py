@@ -28,13 +28,13 @@ from deadweight._version import __version__
 from deadweight.errors import InputError
 from deadweight.findings import Finding, Severity
 from deadweight.homologous import layer_key
-from deadweight.probes.event_log import LOG_SCHEMA_VERSION
-from deadweight.probes.watch_stats import WatchStats
 from deadweight.registry import get_rule
 from deadweight.report import SCHEMA_VERSION, Report, loss_curve, markdown
 from deadweight.report.display import html_text, plotly_text
 from deadweight.report.text import sections as sections_of
-from deadweight.rules._wording import name_list
+from deadweight.watching.event_log import LOG_SCHEMA_VERSION
+from deadweight.watching.watch_stats import WatchStats
+from deadweight.wording import name_list
 
 # 2000 points per trace: a 1000-pixel-wide plot shows no more, and 60 such plots
 # stay well under a second of plotly layout in the browser.

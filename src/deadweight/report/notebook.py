@@ -12,10 +12,11 @@ locations are data from the user's model, a checkpoint or a saved report.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from deadweight.findings import Finding, Severity
-from deadweight.report import Report
 from deadweight.report.display import html_text
 from deadweight.report.text import (
     compress_names,
@@ -24,6 +25,9 @@ from deadweight.report.text import (
     header_parts,
     sections,
 )
+
+if TYPE_CHECKING:  # report/__init__.py imports this module lazily
+    from deadweight.report import Report
 
 # The HTML report's colours (html._SEVERITY_COLOUR; a test keeps them equal). Not
 # imported: that module loads numpy and the watch probes, a notebook showing a saved
@@ -80,7 +84,7 @@ def watch_html(build: Callable[[], Report], *, steps: int, running: bool) -> str
         status = f"{state}, {steps} step{'s' if steps != 1 else ''}"
         if isinstance(as_of, int) and as_of != steps:
             status += f" (findings as of step {as_of})"
-        return report_html(Report(report.kind, report.findings, subject), status=status)
+        return report_html(dataclasses.replace(report, subject=subject), status=status)
     except Exception as exc:
         message = (
             f"deadweight watch ({state}, {steps} steps): no report: {type(exc).__name__}: {exc}"

@@ -6,6 +6,7 @@ import io
 import re
 import sys
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -13,8 +14,10 @@ from rich.table import Table
 from rich.text import Text
 
 from deadweight.findings import Finding, Severity
-from deadweight.report import Report
 from deadweight.report.display import safe_text
+
+if TYPE_CHECKING:  # report/__init__.py imports this module lazily
+    from deadweight.report import Report
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 _MAX_NAMES = 8

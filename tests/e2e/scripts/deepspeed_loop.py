@@ -79,7 +79,7 @@ def main(stage: int, bug: str, precision: str, mode: str) -> dict[str, Any] | No
     import deadweight
 
     if mode == "unmapped":
-        from deadweight.probes import zero_partitions
+        from deadweight.watching import zero_partitions
 
         zero_partitions._LAYOUTS.clear()
 

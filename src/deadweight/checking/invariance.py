@@ -1,0 +1,357 @@
+"""Does the loss depend on a parameter at all? Gradient screens, then a functional probe.
+
+At init, a parameter the loss cannot see still gets a gradient: numerical noise.
+Two first-order screens find candidates cheaply from the gradient already computed:
+
+- scale (theta -> 10 theta): the first-order loss change is 9 <g, theta>;
+- shift (theta -> theta + c, c = 10 x the parameter's RMS, or 10 for an all-zero
+  one): the first-order change is c * sum(g).
+
+Both are taken relative to |loss|. Candidates are then confirmed by re-running the
+loss function under no_grad on the same RNG state with the parameter changed:
+
+- shift: invariant when the loss stays within 32 rounding errors (ulps of the
+  loss's dtype). Mean subtraction (LayerNorm, BatchNorm, softmax over a shifted
+  logit) cancels a shift exactly.
+- scale: a normalization cancels a factor only up to its eps, whose residue is
+  about eps / mean(x^2) relative (1e-5 for eps = 1e-5) and dies off as the factor
+  grows. So the loss is taken at 10 theta and at 100 theta: invariant when those
+  two agree within 32 ulps and 10 theta moved the loss by at most 0.1%. A weak but
+  real influence (a layer of a freshly initialised model whose predictions are
+  still uniform, where even x100 moves the loss by only 0.1%) keeps changing
+  between x10 and x100.
+
+Candidates are probed in groups, each member changed by a different amount (the
+factor or shift times 1, 1.25, 1.5, ...): parameters that cancel only jointly (a
+Linear's weight and bias before a LayerNorm, scaled together) then no longer
+cancel, so a group that leaves the loss unchanged shows every member invariant on
+its own. A typical model costs a few extra forwards; a group that moves the loss
+is split at its widest gap in screen score.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deadweight import thresholds
+from deadweight.checking import state
+
+# A first-order relative loss change below this makes a parameter a candidate. In a
+# small reproduction of the layer-scalar incident the cancelled scalar scored 7e-7
+# per unit of <g, theta> and its healthy siblings 4e-3 to 2.5e-2; x9 for the probe's
+# x10, that is 6e-6 against 0.04 and more. A norm eps of 1e-5 raises the cancelled
+# scalar to 2e-4, hence 5e-4. (Weak layers of a freshly initialised GPT-2 score
+# 5e-5 to 2e-3: the few below the bar cost a probe each.)
+SCREEN = 5e-4
+SCALE_FACTOR = 10.0
+SHIFT_RMS = 10.0
+SHIFT_FOR_ZERO = 10.0
+# "Unchanged": within this many ulps (machine epsilons of the loss's dtype) of the loss.
+CONFIRM_ULPS = 32
+# The x10 point of the scale probe may move the loss by at most this fraction (the
+# eps residue of a normalization); more means the parameter has a real influence.
+SCALE_RESIDUE = 1e-3
+# At most this many extra forwards per check for the functional probes, half per kind.
+MAX_PROBE_FORWARDS = 24
+# A gradient is at the noise floor when moving the parameter by its own size (by 1
+# for an all-zero one) would, to first order, change the loss by less than
+# `noise-floor-ulps` ulps of the loss (deadweight.thresholds, 16 by default).
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """The numbers the gradient screens need, for one parameter."""
+
+    grad_norm: float
+    grad_dot_param: float  # <g, theta>
+    grad_sum: float  # sum(g)
+    param_norm: float
+    param_rms: float
+    exact_zero: bool  # every gradient entry is exactly 0
+
+    def scale_score(self, loss: float) -> float:
+        return (SCALE_FACTOR - 1) * abs(self.grad_dot_param) / _safe(loss)
+
+    def shift_step(self) -> float:
+        return SHIFT_RMS * self.param_rms if self.param_rms > 0 else SHIFT_FOR_ZERO
+
+    def at_noise_floor(self, loss: float, eps: float) -> bool:
+        ulps = thresholds.current().noise_floor_ulps
+        return self.grad_norm * max(self.param_norm, 1.0) <= ulps * eps * _safe(loss)
+
+    def shift_score(self, loss: float) -> float:
+        return self.shift_step() * abs(self.grad_sum) / _safe(loss)
+
+
+def grad_stats(params: Sequence[torch.Tensor]) -> list[GradStats]:
+    """Per-parameter gradient statistics in one device-to-host transfer."""
+    rows = []
+    for p in params:
+        g = p.grad
+        assert g is not None
+        gf, pf = g.detach().float(), p.detach().float()
+        rows.append(
+            torch.stack(
+                [
+                    gf.norm(),
+                    (gf * pf).sum(),
+                    gf.sum(),
+                    pf.norm(),
+                    (gf != 0).any().float(),
+                ]
+            ).cpu()
+        )
+    if not rows:
+        return []
+    values = torch.stack(rows).tolist()  # the one host sync
+    return [
+        GradStats(
+            grad_norm=v[0],
+            grad_dot_param=v[1],
+            grad_sum=v[2],
+            param_norm=v[3],
+            param_rms=v[3] / math.sqrt(max(p.numel(), 1)),
+            exact_zero=v[4] == 0.0,
+        )
+        for v, p in zip(values, params, strict=True)
+    ]
+
+
+def grad_stats_from_sums(sums: Sequence[Sequence[float]], numels: Sequence[int]) -> list[GradStats]:
+    """`GradStats` from per-parameter sums [sum g^2, sum g*theta, sum g, sum theta^2,
+    nonzero gradient entries], which add up over the shards of a sharded parameter."""
+    return [
+        GradStats(
+            grad_norm=math.sqrt(max(v[0], 0.0)),
+            grad_dot_param=v[1],
+            grad_sum=v[2],
+            param_norm=math.sqrt(max(v[3], 0.0)),
+            param_rms=math.sqrt(max(v[3], 0.0)) / math.sqrt(max(n, 1)),
+            exact_zero=v[4] == 0.0,
+        )
+        for v, n in zip(sums, numels, strict=True)
+    ]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """The measured effect of scaling or shifting a parameter (or a group holding it)."""
+
+    kind: str  # "scale" or "shift"
+    screen_score: float
+    relative_change: float | None  # None: not probed (budget spent or probe impossible)
+    invariant: bool
+    group_size: int  # how many candidates were perturbed together in the deciding probe
+
+
+@dataclass
+class _Candidate:
+    name: str
+    param: torch.Tensor
+    kind: str
+    score: float
+    step: float  # the shift amount; unused for scale
+
+
+def confirm(
+    candidates: Sequence[tuple[str, torch.Tensor, str, float, float]],
+    rerun: Callable[[], float | None],
+    base: float,
+    loss_eps: float,
+    *,
+    split: bool = True,
+    max_group: int = 8,
+    budget: list[int] | None = None,
+) -> dict[tuple[str, str], ProbeResult]:
+    """Probe (name, param, kind, screen score, shift step) candidates; see the module doc.
+
+    `rerun()` re-runs the loss function under no_grad on the same RNG state and
+    returns its value (None when that is impossible). With `split=False` a group
+    that moves the loss is not searched further (its members stay unconfirmed).
+    `budget` is a shared one-element list counting the forwards left.
+    """
+    results: dict[tuple[str, str], ProbeResult] = {}
+    budget = budget if budget is not None else [MAX_PROBE_FORWARDS]
+    unchanged = CONFIRM_ULPS * loss_eps
+    by_kind: dict[str, list[_Candidate]] = {}
+    for name, param, kind, score, step in sorted(candidates, key=lambda c: c[3]):
+        by_kind.setdefault(kind, []).append(_Candidate(name, param, kind, score, step))
+
+    def run(
+        group: list[_Candidate], change: Callable[[torch.Tensor, _Candidate], object]
+    ) -> float | None:
+        if budget[0] <= 0:
+            return None
+        budget[0] -= 1
+        with torch.no_grad():
+            for c in group:
+                change(c.param, c)
+        value = rerun()
+        return value if value is not None and math.isfinite(value) else None
+
+    def probe(group: list[_Candidate]) -> tuple[float | None, bool]:
+        """(relative change at the first point, invariant) for the group, restored after."""
+        saved = [c.param.detach().clone() for c in group]
+        # The values come back bitwise, and so do the version counters: a graph the
+        # user holds from their own forward must still backward after the check.
+        versions = state.versions_of([c.param for c in group])
+        try:
+            kind = group[0].kind
+            spread = {id(c): 1.0 + 0.25 * (i % 8) for i, c in enumerate(group)}
+            if kind == "shift":
+                value = run(group, lambda p, c: p.add_(c.step * spread[id(c)]))
+                if value is None:
+                    return None, False
+                change = abs(value - base) / _safe(base)
+                return change, change <= unchanged
+            at10 = run(group, lambda p, c: p.mul_(SCALE_FACTOR * spread[id(c)]))
+            if at10 is None:
+                return None, False
+            change = abs(at10 - base) / _safe(base)
+            if change > SCALE_RESIDUE:
+                return change, False
+            at100 = run(group, lambda p, c: p.mul_(SCALE_FACTOR))
+            if at100 is None:
+                return change, False
+            return change, abs(at100 - at10) / _safe(base) <= unchanged
+        finally:
+            with torch.no_grad():
+                for c, s in zip(group, saved, strict=True):
+                    c.param.copy_(s)
+            state.set_versions([c.param for c in group], versions)
+
+    def record(group: list[_Candidate], change: float | None, invariant: bool) -> None:
+        for c in group:
+            shown = change if (invariant or len(group) == 1) else None
+            results[(c.name, c.kind)] = ProbeResult(c.kind, c.score, shown, invariant, len(group))
+
+    def settle(group: list[_Candidate]) -> None:
+        change, invariant = probe(group)
+        if invariant or change is None or len(group) == 1 or not split:
+            record(group, change, invariant)
+        else:
+            cut = _widest_gap(group)
+            settle(group[:cut])
+            settle(group[cut:])
+
+    for members in by_kind.values():
+        # Bounded groups: many large changes at once add up rounding error (and a
+        # chain of scalars multiplies its factors).
+        for start in range(0, len(members), max_group):
+            settle(members[start : start + max_group])
+    return results
+
+
+def probe(
+    with_grad: Sequence[tuple[str, torch.Tensor]],
+    stats: dict[str, GradStats],
+    loss_value: float,
+    loss_eps: float,
+    rerun: Callable[[], float | None],
+    runnable: bool,
+) -> tuple[dict[tuple[str, str], ProbeResult], str | None]:
+    """Screen every parameter with a nonzero gradient; confirm candidates functionally.
+
+    An exactly-zero gradient is left out: it is what zero-initialised designs (a LoRA
+    B matrix, a zero-init output projection) give the layers around them at step 0,
+    and Adam does not move a parameter on exact zeros.
+
+    `rerun()` re-runs the loss with the parameters as they are now (`rerun_of` in one
+    process). Which probes run depends only on the statistics, `loss_value` and what
+    `rerun()` returns, so ranks that share those (FSDP2, where every probe's forward
+    all-gathers) run the same probes in the same order.
+    """
+    # Would-be warnings (a single number, or a gradient that is noise everywhere: it
+    # could not learn at all) are what the probes are for: small groups, bisected,
+    # within the budget. Candidates that could only ever be info are probed only when
+    # there are no would-be warnings, and only for scale (a free norm, as in QK-norm):
+    # one group, one look. Every probe is a forward, so this keeps a typical check
+    # to two extra forwards.
+    careful: list[tuple[str, torch.Tensor, str, float, float]] = []
+    cheap: list[tuple[str, torch.Tensor, str, float, float]] = []
+    for name, p in with_grad:
+        s = stats[name]
+        if s.exact_zero:
+            continue
+        would_warn = p.numel() == 1 or s.at_noise_floor(loss_value, loss_eps)
+        if s.param_norm > 0 and s.scale_score(loss_value) < SCREEN:
+            (careful if would_warn else cheap).append(
+                (name, p, "scale", s.scale_score(loss_value), 0.0)
+            )
+        # A single number is covered by the scale probe unless it is 0.
+        shift_ok = p.numel() > 1 or s.param_norm == 0
+        if would_warn and shift_ok and s.shift_score(loss_value) < SCREEN:
+            careful.append((name, p, "shift", s.shift_score(loss_value), s.shift_step()))
+    if not careful and not cheap:
+        return {}, None
+    if not runnable:
+        return {}, "functional probes skipped: the loss is not finite or backward failed"
+
+    results: dict[tuple[str, str], ProbeResult] = {}
+    if careful:
+        for kind in ("scale", "shift"):  # each kind its own half of the budget
+            mine = [c for c in careful if c[2] == kind]
+            if mine:
+                budget = [MAX_PROBE_FORWARDS // 2]
+                results.update(confirm(mine, rerun, loss_value, loss_eps, budget=budget))
+        if not all(r.invariant for r in results.values()):
+            # Something moved the loss: make sure it was the parameter, not a loss_fn
+            # that draws a new batch on every call (loosely: no_grad may pick other
+            # kernels than the checked run did).
+            fresh = rerun()
+            if fresh is None or abs(fresh - loss_value) > 1e-4 * max(abs(loss_value), 1e-12):
+                return {}, (
+                    "functional probes skipped: re-running loss_fn gave a different loss "
+                    f"({fresh} vs {loss_value}); make it use one fixed batch"
+                )
+    elif cheap:
+        share = [2]  # one scale probe: at 10x and at 100x
+        results.update(
+            confirm(cheap, rerun, loss_value, loss_eps, max_group=len(cheap), budget=share)
+        )
+    return results, None
+
+
+def rerun_of(loss_fn: Callable[[], Any], guard: Any) -> Callable[[], float | None]:
+    """`loss_fn` re-run under no_grad on the checked run's RNG state (`guard.reset_rng`).
+
+    The rerun returns the loss as a float, or None when `loss_fn` raises or returns
+    something other than a one-element tensor: that probe is then impossible.
+    """
+
+    def rerun() -> float | None:
+        guard.reset_rng()
+        try:
+            with torch.no_grad():
+                out = loss_fn()
+        except Exception:
+            return None
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            return None
+        return float(out.detach().float().item())
+
+    return rerun
+
+
+def _widest_gap(group: list[_Candidate]) -> int:
+    """Where to split a group (sorted by screen score) that moved the loss.
+
+    True invariants score at rounding level and weak real influences orders of
+    magnitude higher, so the widest gap in log-score usually separates them in one
+    split; with no clear gap (less than a factor 10) it is halved.
+    """
+    logs = [math.log10(max(c.score, 1e-30)) for c in group]
+    gaps = [(logs[i + 1] - logs[i], i + 1) for i in range(len(logs) - 1)]
+    widest, at = max(gaps)
+    return at if widest >= 1.0 else len(group) // 2
+
+
+def _safe(loss: float) -> float:
+    # A loss of exactly 0 would make every relative change infinite; 1e-12 keeps the
+    # ratio finite and still flags any real change.
+    return max(abs(loss), 1e-12)

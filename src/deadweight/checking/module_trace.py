@@ -1,0 +1,91 @@
+"""Forward-time record of which modules ran, where they were called, and what they returned.
+
+Global module hooks (removable, installed only for the duration of the trace) see
+every module call, including modules the loss function calls directly.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+
+from deadweight.checking.op_trace import tensors_in
+from deadweight.checking.sites import Site, user_site
+
+
+@dataclass
+class ModuleCalls:
+    """What one module did during the forward."""
+
+    name: str
+    calls: int = 0
+    call_site: Site | None = None
+    # grad_fn nodes of outputs that required grad, over all calls.
+    output_nodes: list[Any] = field(default_factory=list, repr=False)
+    # Calls whose float outputs came back without a graph although inputs or
+    # parameters needed one: the module cut the graph somewhere inside.
+    cut_roots: list[Any] = field(default_factory=list, repr=False)
+
+
+class ModuleTracer:
+    """Use as a context manager around the user's forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._names = {id(m): name for name, m in model.named_modules()}
+        self.calls: dict[str, ModuleCalls] = {}
+        self._stack: list[str | None] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def current(self) -> str | None:
+        """Path of the innermost module of the model running right now."""
+        for name in reversed(self._stack):
+            if name is not None:
+                return name
+        return None
+
+    def __enter__(self) -> ModuleTracer:
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._stack.clear()
+
+    def _pre(self, module: nn.Module, args: tuple) -> None:
+        name = self._names.get(id(module))
+        self._stack.append(name)
+        if name is None:
+            return
+        record = self.calls.get(name)
+        if record is None:
+            record = self.calls[name] = ModuleCalls(name, call_site=user_site(sys._getframe(1)))
+        record.calls += 1
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+        name = self._names.get(id(module))
+        if name is None:
+            return
+        record = self.calls[name]
+        outputs = [t for t in tensors_in(output) if t.is_floating_point() or t.is_complex()]
+        nodes = [t.grad_fn for t in outputs if t.requires_grad and t.grad_fn is not None]
+        if nodes:
+            record.output_nodes.extend(nodes)
+        elif outputs:
+            roots = [t.grad_fn or t for t in tensors_in(args) if t.requires_grad]
+            roots += [p for p in module.parameters() if p.requires_grad]
+            record.cut_roots.extend(roots)

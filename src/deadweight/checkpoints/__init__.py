@@ -1,0 +1,1 @@
+"""Checkpoint forensics: readers of every format, the streaming scan, DW4xx."""

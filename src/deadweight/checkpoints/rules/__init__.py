@@ -1,0 +1,1 @@
+"""The rules a checkpoint scan is judged by: DW4xx."""

@@ -1,0 +1,1 @@
+"""torch.distributed: ranks, collectives, replicas, and the cross-rank rules."""

@@ -1,0 +1,1 @@
+"""The cross-rank rules: DW108, DW207, DW308."""

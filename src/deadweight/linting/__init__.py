@@ -1,0 +1,1 @@
+"""`deadweight lint`: the Python and Rust source scanners, judged by DW5xx."""

@@ -1,0 +1,147 @@
+"""What a Python source file was found to contain: the facts `source_python` and
+`source_python_cuts` gather and `rules/lint_python.py` judges, and the parsed file they
+are gathered from (`Source`). Data only: no search lives here.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+
+from deadweight.linting.source_files import Span, character_column
+from deadweight.linting.suppressions import Suppressions
+
+
+@dataclass(frozen=True)
+class TrainableAttribute:
+    """A parameter or submodule a class creates (`self.name = nn.Linear(...)`)."""
+
+    name: str
+    constructor: str  # "nn.Linear", "nn.Parameter", or a class of the same file
+    live: bool  # some value of it reaches a method's output with its gradient intact
+    frozen: bool  # the class turns its gradient off itself (requires_grad_(False))
+
+
+@dataclass(frozen=True)
+class GradientCut:
+    """A place in a forward path past which values carry no gradient."""
+
+    span: Span
+    function: str  # qualified name of the function holding the cut
+    kind: str  # no_grad, inference_mode, set_grad_enabled, detach, data, item, ...
+    construct: str  # the source text of the cut, shortened
+    attributes: tuple[str, ...]  # trainable attributes whose values cross it into forward's output
+
+
+@dataclass(frozen=True)
+class ModuleCuts:
+    owner: str  # the class
+    attributes: dict[str, TrainableAttribute]
+    cuts: tuple[GradientCut, ...]
+
+
+@dataclass(frozen=True)
+class RankDecayChoice:
+    """A comparison of a tensor's rank that decides weight-decay groups."""
+
+    span: Span
+    function: str
+    expression: str  # e.g. "len(param.shape) == 1"
+    decay_words: tuple[str, ...]  # the names and strings that tie it to weight decay
+
+
+@dataclass(frozen=True)
+class AutogradGap:
+    """An autograd Function or custom op that leaves some input without a gradient."""
+
+    span: Span
+    function: str
+    kind: str  # backward-none, all-backward-none, custom-op, library-op, non-differentiable
+    subject: str  # the Function class or the op name
+    detail: str  # which input, and the evidence it needs a gradient
+
+
+@dataclass(frozen=True)
+class CheckpointCall:
+    span: Span
+    function: str
+    callee: str  # torch.utils.checkpoint.checkpoint or checkpoint_sequential
+    use_reentrant: str  # "missing" or "True"
+
+
+@dataclass(frozen=True)
+class PythonSourceFacts:
+    path: str
+    modules: tuple[ModuleCuts, ...] = ()
+    rank_decay: tuple[RankDecayChoice, ...] = ()
+    autograd_gaps: tuple[AutogradGap, ...] = ()
+    checkpoints: tuple[CheckpointCall, ...] = ()
+    suppressions: Suppressions = field(default_factory=dict)
+
+
+class Source:
+    """Parsed text with what every search needs: positions in characters, import names."""
+
+    def __init__(self, text: str, path: str, tree: ast.Module) -> None:
+        self.text = text
+        self.path = path
+        self.tree = tree
+        self._lines: list[str] | None = None
+        self.imports = module_imports(tree.body)
+
+    def line_text(self, line: int) -> str:
+        if self._lines is None:
+            self._lines = self.text.splitlines()
+        return self._lines[line - 1] if 0 < line <= len(self._lines) else ""
+
+    def column(self, line: int, byte_offset: int) -> int:
+        """ast offsets count UTF-8 bytes; editors and SARIF count characters (1-based)."""
+        return character_column(self.line_text(line), byte_offset)
+
+    def span(self, node: ast.AST) -> Span:
+        line, col = node.lineno, node.col_offset  # type: ignore[attr-defined]
+        end_line = getattr(node, "end_lineno", None) or line
+        end_col = getattr(node, "end_col_offset", None)
+        end_col = col if end_col is None else end_col
+        return Span(line, self.column(line, col), end_line, self.column(end_line, end_col))
+
+    def resolve(self, node: ast.AST) -> str | None:
+        """Dotted name of an expression with import aliases expanded: `nn.Linear` ->
+        `torch.nn.Linear` after `from torch import nn`; None for anything else."""
+        if isinstance(node, ast.Name):
+            return self.imports.get(node.id, node.id)
+        if isinstance(node, ast.Attribute):
+            base = self.resolve(node.value)
+            return None if base is None else f"{base}.{node.attr}"
+        return None
+
+
+def snippet(node: ast.AST, limit: int = 60) -> str:
+    text = ast.unparse(node)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def module_imports(body: list[ast.stmt]) -> dict[str, str]:
+    """Local name -> dotted path for the imports at module level (also under if/try)."""
+    names: dict[str, str] = {}
+    stack = list(body)
+    while stack:
+        stmt = stack.pop()
+        if isinstance(stmt, ast.Import):
+            for alias in stmt.names:
+                if alias.asname:
+                    names[alias.asname] = alias.name
+                else:
+                    head = alias.name.split(".")[0]
+                    names[head] = head
+        elif isinstance(stmt, ast.ImportFrom):
+            base = "." * stmt.level + (stmt.module or "")
+            for alias in stmt.names:
+                names[alias.asname or alias.name] = f"{base}.{alias.name}" if base else alias.name
+        elif isinstance(stmt, (ast.If, ast.Try, ast.With)):
+            stack.extend(stmt.body)
+            stack.extend(getattr(stmt, "orelse", []))
+            stack.extend(getattr(stmt, "finalbody", []))
+            for handler in getattr(stmt, "handlers", []):
+                stack.extend(handler.body)
+    return names

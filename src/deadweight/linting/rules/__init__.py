@@ -1,0 +1,1 @@
+"""The rules source code is judged by: DW5xx."""

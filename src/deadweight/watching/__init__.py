@@ -1,0 +1,1 @@
+"""`deadweight.watch` and `deadweight run`: the monitor during training, judged by DW3xx."""

@@ -1,0 +1,1 @@
+"""The rules a watch is judged by: DW3xx."""

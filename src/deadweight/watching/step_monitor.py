@@ -1,0 +1,978 @@
+"""Measure what one optimizer does to its parameters, step by step, without a sync per step.
+
+`StepMonitor` is driven by optimizer step hooks (`before_step` / `after_step`) and
+emits plain event dicts (see `event_log` for the schema). It never writes to a
+parameter, a gradient or the optimizer's state, and it draws no random numbers, so
+training with it is bitwise identical to training without it.
+
+Two cadences:
+
+* every step, cheap: which gradients are missing (Python), one fused
+  `torch._foreach_norm` over the present gradients whose squares and non-finite
+  flags accumulate *on the device*, the learning rate of each group, optimizer-state
+  resets (Python dict lookups), and exact update statistics of the small parameters
+  (layer scalars, norm gains, biases: one `cat` before and after the step);
+* every `every` steps (a "watched" step): parameter norms, update norms of a
+  rotating slice of the large parameters (a copy of at most `copy_fraction` of the
+  parameter bytes, or all of them with `full=True`), bitwise-unchanged checks, and
+  one host transfer of everything accumulated since the last watched step.
+
+Each detector runs under a guard: an exception disables that detector, is reported
+as an `error` event, and never reaches the training loop.
+
+Under FSDP2 (DTensor parameters) everything above is measured on the rank's local
+slices, and the watched step's record combines the ranks' slices in one collective
+(`_ShardRecord`); nothing else talks to the other ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from deadweight.distributed import ranks as distributed
+from deadweight.fingerprints import fingerprint
+
+Emit = Callable[[dict[str, Any]], None]
+# (found_inf, grad_scale) that a GradScaler sets on a fused optimizer for its step().
+AmpStep = tuple[torch.Tensor, "torch.Tensor | None"]
+
+# Parameters with more elements than this are "large": they get norms, not exact
+# update statistics. Layer scalars, norm gains and biases of models up to ~4k width fit.
+SMALL_DEFAULT = 4096
+# Values of parameters up to this many elements are logged at every watched step
+# (layer scalars' trajectories; the incident's table of 32 values).
+VALUES_MAX = 16
+# Steps whose per-step update sizes are kept on the device, to compare the updates
+# right after an optimizer-state reset with those right before it.
+RING = 64
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    every: int = 20  # a watched step every `every` optimizer steps
+    small: int = SMALL_DEFAULT
+    full: bool = False  # copy every large parameter on watched steps (exact update norms)
+    # Share of the parameter bytes copied per watched step when `full` is off: the
+    # large parameters are measured round-robin, so memory stays within ~10% of
+    # params + grads + optimizer state (params alone are about a quarter of that with Adam).
+    copy_fraction: float = 0.1
+    # Steps measured after an optimizer-state reset. Adam's second moment forgets
+    # with time constant 1/(1 - beta2) = 20 steps at the incident's beta2 = 0.95.
+    burst: int = 20
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"every must be >= 1, got {self.every}")
+        if not 0 < self.copy_fraction <= 1:
+            raise ValueError(f"copy_fraction must be in (0, 1], got {self.copy_fraction}")
+        if self.burst < 1 or self.burst > RING // 2:
+            raise ValueError(f"burst must be in [1, {RING // 2}], got {self.burst}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Parameters that had optimizer state under any monitored optimizer: a new optimizer
+# over them (zero-code mode sees every optimizer a script creates) starts their
+# moments from zero again, which is a reset.
+# (Keyed by identity: a tensor's == is elementwise, so a plain WeakKeyDictionary breaks.)
+_HAD_STATE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _g7(value: float) -> float:
+    """Seven significant digits: plenty for a norm, and ~40% less log than `repr`."""
+    return float(f"{value:.7g}") if math.isfinite(value) else value
+
+
+def _host_float(value: Any) -> float | None:
+    """A learning rate or step counter as a float, without a device sync."""
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.device.type == "cpu" else None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def _signature(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+    """Parameters per group: changes when `add_param_group` adds some."""
+    return tuple(len(g["params"]) for g in optimizer.param_groups)
+
+
+def _predicted_reset_amplification(group: dict[str, Any]) -> float | None:
+    # Right after a reset v ~ (1 - b2) g^2 instead of ~ g^2: noise-driven steps grow by
+    # sqrt(1 / (1 - b2)) (the incident's sqrt(20) = 4.47 for b2 = 0.95).
+    betas = group.get("betas")
+    if betas is not None:
+        b2 = _host_float(betas[1])
+        return math.sqrt(1 / (1 - b2)) if b2 is not None and b2 < 1 else None
+    alpha = group.get("alpha")  # RMSprop's smoothing constant plays b2's part
+    if alpha is not None and "eps" in group:
+        a = _host_float(alpha)
+        return math.sqrt(1 / (1 - a)) if a is not None and a < 1 else None
+    return None
+
+
+def _loc(t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a DTensor (FSDP2) parameter or gradient; a plain tensor as is.
+
+    Every statistic is taken on the slices: an op on the DTensor itself would make
+    torch redistribute it, a collective the monitor does not control.
+    """
+    return distributed.local_tensor(t)
+
+
+GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
+
+
+def _own_grad(p: torch.Tensor) -> torch.Tensor | None:
+    return p.grad
+
+
+class _Bucket:
+    """The device-side state for the monitored parameters that live on one device.
+
+    With `shards` (FSDP2) every number is first measured on this rank's slices and
+    the watched step's record is combined across the ranks (`_ShardRecord`).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        positions: list[int],
+        params: list[torch.Tensor],
+        small: int,
+        shards: distributed.Shards | None = None,
+        grad_of: GradOf = _own_grad,
+    ) -> None:
+        self.device = device
+        self.grad_of = grad_of
+        self.positions = positions  # indices into the monitor's parameter list
+        self.local = {pos: k for k, pos in enumerate(positions)}  # and back
+        self.params = params
+        self.shards = shards
+        self.shard_bytes = 0  # handed to the collectives that combine the slices
+        n = len(params)
+        f64: dict[str, Any] = {"device": device, "dtype": torch.float64}
+        self.gsq = torch.zeros(n, **f64)  # sum of squared grad norms since the last record
+        self.bad_grad = torch.full((n,), -1, device=device, dtype=torch.int64)
+        # Steps a fused optimizer skipped on which this gradient held inf/NaN.
+        self.skip_nonfinite = torch.zeros(n, device=device, dtype=torch.int64)
+        self.index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        with torch.no_grad():
+            self.pnorm0 = torch.stack(
+                torch._foreach_norm([_loc(p.detach()) for p in params])
+            ).double()
+            self.fp0 = torch.stack([fingerprint(_loc(p)) for p in params])
+        self.moved = [False] * n  # sticky: once seen changed, never again "unchanged"
+
+        self.small = [i for i, p in enumerate(params) if p.numel() <= small]
+        self.large = [i for i, p in enumerate(params) if p.numel() > small]
+        ns = len(self.small)
+        sizes = [_loc(params[i]).numel() for i in self.small]
+        self.seg = (
+            torch.repeat_interleave(
+                torch.arange(ns, device=device),
+                torch.tensor(sizes, device=device, dtype=torch.long),
+            )
+            if ns
+            else torch.zeros(0, dtype=torch.long, device=device)
+        )
+        self.theta0 = self._cat_small()
+        self.path = torch.zeros(ns, **f64)  # sum over steps of ||update||
+        self.rpos = torch.zeros(ns, **f64)  # steps whose update points away from 0 (radially)
+        self.rneg = torch.zeros(ns, **f64)
+        self.sens = torch.zeros(ns, **f64)  # sum over steps of |<grad, theta>|
+        self.gsum = torch.zeros(ns, **f64)  # sum over steps of ||grad||
+        self.zero_upd = torch.zeros(ns, **f64)  # steps with a non-zero grad and no change
+        self.ring = torch.zeros(RING, ns, **f64)  # ||update|| of the last RING steps
+        self.pre_small: torch.Tensor | None = None
+        self.last_un = torch.full((ns,), math.nan, **f64)  # ||update|| of the latest step
+        self.gn_small: torch.Tensor | None = None
+        self.copies: dict[int, torch.Tensor] = {}
+
+    def _cat_small(self) -> torch.Tensor:
+        if not self.small:
+            return torch.zeros(0, dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            return torch.cat(
+                [_loc(self.params[i].detach()).reshape(-1) for i in self.small]
+            ).double()
+
+    def _segsum(self, values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(len(self.small), dtype=torch.float64, device=self.device)
+        return out.index_add_(0, self.seg, values)
+
+    def _index(self, key: tuple[int, ...]) -> torch.Tensor:
+        cached = self.index_cache.get(key)
+        if cached is None:
+            if len(self.index_cache) > 64:  # presence patterns churn (MoE): keep it bounded
+                self.index_cache.clear()
+            cached = self.index_cache[key] = torch.tensor(key, dtype=torch.long, device=self.device)
+        return cached
+
+    # -- every step -------------------------------------------------------------------
+
+    def amp_weights(self, amp: AmpStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the step went through, 1 / scale) on this bucket's device, for a fused step."""
+        if amp is None:
+            return None
+        found_inf, scale = amp
+        ok = found_inf.to(self.device).reshape(-1)[0] == 0
+        inv = torch.ones((), dtype=torch.float64, device=self.device)
+        if scale is not None:
+            inv = inv / scale.to(self.device, torch.float64).reshape(-1)[0]
+        return ok, inv
+
+    @torch.no_grad()
+    def grads_before(self, step: int, present: list[int], amp: AmpStep | None = None) -> None:
+        if not present:
+            return
+        grads = [_loc(self.grad_of(self.params[i])) for i in present]  # type: ignore[arg-type]
+        norms = torch.stack(torch._foreach_norm(grads)).double()
+        weights = self.amp_weights(amp)
+        index = self._index(tuple(present))
+        if weights is not None:  # the scaler's own inf/NaN are not the model's
+            # ...but on a step it skips for them, whose they were is counted (device side)
+            blamed = (~torch.isfinite(norms) & ~weights[0]).to(torch.int64)
+            self.skip_nonfinite.index_add_(0, index, blamed)
+            norms = torch.where(weights[0], norms * weights[1], 0.0)
+        self.gsq.index_add_(0, index, norms * norms)
+        seen = self.bad_grad.index_select(0, index)
+        first = torch.where(~torch.isfinite(norms) & (seen < 0), step, seen)
+        self.bad_grad.index_copy_(0, index, first)
+
+    @torch.no_grad()
+    def small_before(self, amp: AmpStep | None = None) -> None:
+        if not self.small:
+            return
+        pre = self._cat_small()
+        grads = []
+        for i in self.small:
+            g = self.grad_of(self.params[i])
+            grads.append(
+                _loc(g).reshape(-1)
+                if g is not None
+                else torch.zeros(_loc(self.params[i]).numel(), device=self.device)
+            )
+        gcat = torch.cat(grads).double()
+        weights = self.amp_weights(amp)
+        if weights is not None:  # a skipped step then has no gradient, so no "lost" update
+            gcat = torch.where(weights[0], gcat * weights[1], 0.0)
+        self.sens += self._segsum(gcat * pre).abs()
+        self.gn_small = self._segsum(gcat * gcat).sqrt()
+        self.gsum += self.gn_small
+        self.pre_small = pre
+
+    @torch.no_grad()
+    def small_after(self, step: int) -> None:
+        if not self.small or self.pre_small is None:
+            return
+        post = self._cat_small()
+        update = post - self.pre_small
+        un = self._segsum(update * update).sqrt()
+        radial = self._segsum(update * self.pre_small)
+        self.path += un
+        self.rpos += radial > 0
+        self.rneg += radial < 0
+        self.ring[step % RING] = un
+        self.last_un = un
+        if self.gn_small is not None:
+            self.zero_upd += (un == 0) & (self.gn_small > 0)
+        self.pre_small = None
+
+    # -- watched steps ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def copy_before(self, chosen: list[int]) -> None:
+        self.copies = {i: _loc(self.params[i].detach()).clone() for i in chosen}
+
+    @torch.no_grad()
+    def measure_after(self) -> dict[str, Any]:
+        """Everything for one record, in one host transfer (two when a large parameter's
+        norm is bitwise unchanged and its fingerprint must decide)."""
+        params = [_loc(p.detach()) for p in self.params]
+        pnorm = torch.stack(torch._foreach_norm(params)).double()
+        copied = sorted(self.copies)
+        if copied:
+            # In place on the copies: no second buffer of the same size.
+            deltas = [self.copies[i] for i in copied]
+            torch._foreach_sub_(deltas, [params[i] for i in copied])
+            unorm = torch.stack(torch._foreach_norm(deltas)).double()
+        else:
+            unorm = torch.zeros(0, dtype=torch.float64, device=self.device)
+        self.copies = {}
+        if self.small:
+            post = self._cat_small()
+            drift = self._segsum((post - self.theta0) ** 2).sqrt()
+            smalls = [
+                self.path, self.rpos, self.rneg, self.sens, self.gsum, self.zero_upd, drift,
+                self.last_un,
+            ]  # fmt: skip
+            values = torch.cat(
+                [
+                    params[i].reshape(-1).double()
+                    for i in self.small
+                    if self.params[i].numel() <= VALUES_MAX  # the whole parameter's size
+                ]
+                or [torch.zeros(0, dtype=torch.float64, device=self.device)]
+            )
+        else:
+            smalls, values = [], torch.zeros(0, dtype=torch.float64, device=self.device)
+        packed = torch.cat(
+            [
+                self.gsq,
+                self.bad_grad.double(),
+                pnorm,
+                (pnorm == self.pnorm0).double(),
+                unorm,
+                *smalls,
+                values,
+            ]
+        )
+        if self.shards is not None:  # every rank's slices, combined: one collective
+            flat = _ShardRecord(self, copied).combine(packed)
+        else:
+            flat = packed.tolist()  # the one CPU-GPU sync of this step
+        self.gsq.zero_()
+        n, ns = len(self.params), len(self.small)
+        out: dict[str, Any] = {}
+        cursor = 0
+
+        def take(k: int) -> list[float]:
+            nonlocal cursor
+            part = flat[cursor : cursor + k]
+            cursor += k
+            return part
+
+        out["gsq"] = take(n)
+        out["bad_grad"] = [int(v) for v in take(n)]
+        out["pnorm"] = take(n)
+        same_norm = take(n)
+        out["unorm"] = dict(zip(copied, take(len(copied)), strict=True))
+        for key in ("path", "rpos", "rneg", "sens", "gsum", "zero_upd", "drift", "last_un"):
+            out[key] = take(ns) if ns else []
+        for k, i in enumerate(self.small):  # small parameters: this step's exact update
+            if math.isfinite(out["last_un"][k]):
+                out["unorm"][i] = out["last_un"][k]
+        out["values"] = take(len(flat) - cursor)
+        # Bitwise-unchanged since the start: exact for small parameters (their start
+        # values are kept); for large ones an unchanged norm is necessary, and the
+        # fingerprint of the raw bits decides.
+        small_pos = {i: k for k, i in enumerate(self.small)}
+        candidates = []
+        for i in range(n):
+            if self.moved[i]:
+                continue
+            if i in small_pos:
+                self.moved[i] = out["drift"][small_pos[i]] != 0
+            elif not same_norm[i]:
+                self.moved[i] = True
+            else:
+                candidates.append(i)
+        if candidates:
+            fps = torch.stack([fingerprint(_loc(self.params[i])) for i in candidates])
+            changed_here = fps != self.fp0[self._index(tuple(candidates))]
+            if self.shards is not None and self.shards.ranks is not None:
+                # The candidates follow from combined numbers: the same on every rank.
+                changed_here = distributed.all_reduce(
+                    self.shards.ranks, changed_here.to(torch.int64), "max", "watch: fingerprints"
+                )
+            changed = changed_here.bool().tolist()
+            for i, c in zip(candidates, changed, strict=True):
+                self.moved[i] = bool(c)
+        out["moved"] = list(self.moved)
+        return out
+
+    @torch.no_grad()
+    def ring_mean(self, steps: Sequence[int]) -> torch.Tensor:
+        rows = torch.tensor([s % RING for s in steps], dtype=torch.long, device=self.device)
+        return self.ring.index_select(0, rows).mean(0)
+
+
+class _ShardRecord:
+    """One watched step's numbers of a bucket of DTensor (FSDP2) parameters, combined
+    over the ranks in one collective of a few float64 per parameter tensor and rank.
+
+    Each rank measured its own slices. Squared norms and sums add up (weighted by
+    `distributed.share_of_sum`, so a replicated copy counts once). A per-step norm
+    accumulated over steps (the path of a small parameter, its gradient sizes)
+    cannot be split exactly: the ranks' sums are combined as a root sum of squares,
+    exact for a parameter one rank holds whole (a layer scalar) and for slices whose
+    sizes keep their proportions, and otherwise between the true value and
+    sqrt(ranks) times below it. Step counts (radial directions, lost updates) are
+    averaged over the ranks that hold a non-empty slice. Values of the tiny
+    parameters are put back together from the slices of one replica group
+    (`distributed.one_copy_ranks`), in mesh order (dim-0 shards).
+    """
+
+    def __init__(self, bucket: _Bucket, copied: list[int]) -> None:
+        self.bucket = bucket
+        self.copied = copied  # the large parameters copied this step, as `unorm` lists them
+
+    def combine(self, packed: torch.Tensor) -> list[float]:
+        b = self.bucket
+        shards = b.shards
+        assert shards is not None
+        ranks = shards.ranks
+        world = ranks.world_size if ranks is not None else 1
+        n, ns, c = len(b.params), len(b.small), len(self.copied)
+        w = torch.tensor(
+            [distributed.share_of_sum(p, world) for p in b.params], dtype=torch.float64
+        )
+        w_small = w[b.small] if ns else torch.zeros(0, dtype=torch.float64)
+        tiny = [i for i in b.small if b.params[i].numel() <= VALUES_MAX]
+        local = packed.detach().to("cpu", torch.float64)
+        cut = [n, n, n, n, c, *([ns] * 8)]
+        parts = list(local[: sum(cut)].split(cut))
+        gsq, bad, pnorm, same, unorm = parts[:5]
+        path, rpos, rneg, sens, gsum, zero_upd, drift, last_un = parts[5:]
+        values = local[sum(cut) :]
+        # Update norms in a slot per parameter: the row's layout then never depends on
+        # what this rank copied, so the ranks' rows always line up.
+        u2 = torch.zeros(n, dtype=torch.float64)
+        if c:
+            u2[self.copied] = unorm**2 * w[self.copied]
+        holders = torch.tensor([float(_loc(b.params[i]).numel() > 0) for i in b.small])
+        counts = [_loc(b.params[i]).numel() for i in tiny]
+        slots = torch.zeros(sum(b.params[i].numel() for i in tiny), dtype=torch.float64)
+        offset = cursor = 0
+        for i, k in zip(tiny, counts, strict=True):
+            slots[offset : offset + k] = values[cursor : cursor + k]
+            offset += b.params[i].numel()
+            cursor += k
+        row = torch.cat(
+            [
+                gsq * w, torch.where(bad >= 0, bad, math.inf), pnorm**2 * w, same, u2,
+                path**2 * w_small, rpos, rneg, sens * w_small, gsum**2 * w_small, zero_upd,
+                drift**2 * w_small, last_un**2 * w_small, holders,
+                torch.tensor(counts, dtype=torch.float64), slots,
+            ]
+        )  # fmt: skip
+        table = torch.zeros(world, row.numel(), dtype=torch.float64)
+        table[ranks.rank if ranks is not None else 0] = row
+        if ranks is not None:
+            table = distributed.all_reduce(ranks, table, "sum", "watch: sharded statistics")
+        b.shard_bytes += table.numel() * table.element_size()
+        cut[4] = n
+        cols = list(table[:, : sum(cut) + ns + len(tiny)].split([*cut, ns, len(tiny)], dim=1))
+        t_gsq, t_bad, t_pn, t_same, t_un = cols[:5]
+        t_path, t_rpos, t_rneg, t_sens, t_gsum, t_zero, t_drift, t_last, t_hold, t_counts = cols[5:]
+        held = t_hold.sum(0).clamp(min=1)
+        first_bad = t_bad.min(0).values
+        out = [
+            t_gsq.sum(0), torch.where(torch.isinf(first_bad), -1.0, first_bad),
+            t_pn.sum(0).sqrt(), t_same.min(0).values, t_un.sum(0).sqrt()[self.copied],
+            t_path.sum(0).sqrt(), t_rpos.sum(0) / held, t_rneg.sum(0) / held, t_sens.sum(0),
+            t_gsum.sum(0).sqrt(), t_zero.sum(0) / held, t_drift.sum(0).sqrt(), t_last.sum(0).sqrt(),
+        ]  # fmt: skip
+        slot_table = table[:, sum(cut) + ns + len(tiny) :]
+        whole: list[float] = []
+        offset = 0
+        for j, i in enumerate(tiny):
+            size = b.params[i].numel()
+            # one replica's slices only: under HSDP every shard is held twice or more
+            for r in distributed.one_copy_ranks(b.params[i]):
+                k = int(t_counts[r, j])
+                whole += slot_table[r, offset : offset + k].tolist()
+            offset += size
+        return [v for part in out for v in part.tolist()] + whole
+
+
+# A skip event names at most this many parameters with non-finite gradients (and
+# counts them all): a broken fp16 run skips every step.
+MAX_SKIP_NAMES = 64
+
+
+class StepMonitor:
+    """Watches one optimizer. `before_step` / `after_step` are its step hooks' bodies."""
+
+    def __init__(
+        self,
+        index: int,
+        optimizer: torch.optim.Optimizer,
+        name_of: Callable[[torch.Tensor], str],
+        emit: Emit,
+        config: MonitorConfig,
+        passengers: Sequence[tuple[str, torch.Tensor]] = (),
+        start_step: int = 0,
+        shards: distributed.Shards | None = None,
+    ) -> None:
+        """`shards`: the parameters are DTensors (FSDP2); every rank must then watch
+        the same optimizer, since each watched step combines the ranks' slices."""
+        self.index = index
+        self.shards = shards
+        self.optimizer = optimizer
+        # Where each parameter's gradient is read: its `.grad`, or, for an optimizer
+        # that steps with gradients kept elsewhere (DeepSpeed's, through its view in
+        # watching/zero_partitions.py), what the optimizer's `grad_of` says.
+        grad_of = getattr(optimizer, "grad_of", None)
+        self.grad_of: GradOf = grad_of if callable(grad_of) else _own_grad
+        self.config = config
+        self.emit = emit
+        # A monitor that replaces one of the same optimizer (parameters were added)
+        # continues its step numbers.
+        self.start_step = start_step
+        self.step = start_step
+        self.calls_finished = 0  # after_step calls: a GradScaler skip leaves it unchanged
+        self.scaler_skips = 0  # skipped_by_scaler calls, so two wrappers count a skip once
+        self.disabled: dict[str, str] = {}
+        params: list[torch.Tensor] = []
+        groups: list[int | None] = []
+        seen: set[int] = set()
+        for g_index, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in seen and p.requires_grad:
+                    seen.add(id(p))
+                    params.append(p)
+                    groups.append(g_index)
+        # Trainable parameters of the watched models that this optimizer (or any other
+        # watched one) does not hold: checked for movement only.
+        for _, p in passengers:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+                groups.append(None)
+        self.params = params
+        self.groups = groups
+        self.passengers = list(passengers)
+        self.signature = _signature(optimizer)
+        self.names = [name_of(p) for p in params]
+        self.stateful_positions = [i for i, g in enumerate(groups) if g is not None]
+        self.present_count = [0] * len(params)
+        self.present_window = [0] * len(params)
+        self.lr0_steps = [0] * len(params)
+        self.window = 0  # steps since the last record
+        self.lr_sum = [0.0] * len(optimizer.param_groups)
+        self.had_state = [bool(_HAD_STATE.get(p)) for p in params]
+        self.reported_bad: set[tuple[int, str]] = set()
+        self.pending_resets: list[dict[str, Any]] = []
+        self.burst_until = 0
+        self.rotation = 0
+        self.small_steps = 0
+        by_device: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(params):
+            by_device.setdefault(p.device, []).append(i)
+        self.buckets = [
+            _Bucket(device, pos, [params[i] for i in pos], config.small, shards, self.grad_of)
+            for device, pos in by_device.items()
+        ]
+        self._present: list[int] = []
+        self._watched = False
+        self._began = False  # before_step ran for the step in progress
+        self._amp: AmpStep | None = None
+        # Steps a fused optimizer skipped for a GradScaler, counted on the device and
+        # read at watched steps (no sync per step); how many were reported already.
+        self.fused_skips: torch.Tensor | None = None
+        self.fused_skips_reported = 0
+        self.skip_blamed: dict[int, int] = {}  # per position: skips already blamed on it
+        emit(self.describe())
+
+    # -- the event that introduces this optimizer ----------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        groups = []
+        for group in self.optimizer.param_groups:
+            groups.append(
+                {
+                    "lr": _host_float(group.get("lr")),
+                    "weight_decay": _host_float(group.get("weight_decay", 0.0)),
+                    "betas": [_host_float(b) for b in group["betas"]] if "betas" in group else None,
+                    "eps": _host_float(group.get("eps")),
+                    "predicted_reset_amplification": _predicted_reset_amplification(group),
+                }
+            )
+        small_order = [b.positions[i] for b in self.buckets for i in b.small]
+        return {
+            "event": "optimizer",
+            "optimizer": self.index,
+            "start_step": self.start_step,
+            "class": getattr(self.optimizer, "display_name", None) or type(self.optimizer).__name__,
+            "groups": groups,
+            "params": [
+                {
+                    "name": name,
+                    "shape": list(p.shape),
+                    "dtype": str(p.dtype).removeprefix("torch."),
+                    "device": str(p.device),
+                    "group": group,
+                    "pinned": getattr(p, "_deadweight_pin", None) is not None,
+                }
+                for name, p, group in zip(self.names, self.params, self.groups, strict=True)
+            ],
+            "small": small_order,
+            "values": [i for i in small_order if self.params[i].numel() <= VALUES_MAX],
+        }
+
+    # -- guards --------------------------------------------------------------------------
+
+    def _guarded(self, detector: str, fn: Callable[..., Any], *args: Any) -> Any:
+        if detector in self.disabled:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:  # a deadweight bug must never stop training
+            reason = f"{type(exc).__name__}: {exc}"
+            self.disabled[detector] = reason
+            with contextlib.suppress(Exception):
+                self.emit(
+                    {
+                        "event": "error",
+                        "optimizer": self.index,
+                        "step": self.step,
+                        "detector": detector,
+                        "message": reason,
+                    }
+                )
+            return None
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    def before_step(self) -> None:
+        self._began = True
+        self.step += 1
+        self.window += 1
+        cfg = self.config
+        self._watched = (
+            self.step == self.start_step + 1  # the baseline record
+            or self.step % cfg.every == 0
+            or self.step <= self.burst_until
+        )
+        self._amp = self._guarded("amp", self._amp_step)
+        self._guarded("scaler", self._count_fused_skip)
+        self._guarded("gradients", self._gradients)
+        self._guarded("learning-rate", self._learning_rates)
+        self._guarded("resets", self._resets)
+        self._guarded("small-parameters", self._small_before)
+        if self._watched:
+            self._guarded("update-norms", self._copy_before)
+
+    def after_step(self) -> None:
+        self.calls_finished += 1
+        if not self._began:  # a closure that step() never called: nothing was measured
+            return
+        self._began = False
+        self._guarded("small-parameters", self._small_after)
+        self._guarded("resets", self._reset_effects)
+        if self._watched:
+            self._guarded("scaler", self._report_fused_skips)
+            self._guarded("record", self._record)
+
+    def structure_changed(self) -> bool:
+        return _signature(self.optimizer) != self.signature
+
+    def finish(self) -> None:
+        """Record the steps since the last watched step (watching ends): without this a
+        run of 59 steps watched every 20 would be judged on its first 40."""
+        if self.window:
+            self._guarded("scaler", self._report_fused_skips)
+            self._guarded("record", self._record)
+
+    def skipped_by_scaler(self) -> None:
+        """The GradScaler found inf/NaN gradients and did not call optimizer.step()."""
+        self.scaler_skips += 1
+        self._guarded("scaler", self._scaler_skip)
+
+    def scaler_token(self) -> tuple[int, int]:
+        """Taken before a scaler step; `skipped_since` tells after it whether it skipped."""
+        return self.calls_finished, self.scaler_skips
+
+    def skipped_since(self, token: tuple[int, int]) -> bool:
+        """No step finished and no skip was counted (by another wrapper) since `token`."""
+        return (self.calls_finished, self.scaler_skips) == token
+
+    # -- detectors -----------------------------------------------------------------------
+
+    def _amp_step(self) -> AmpStep | None:
+        """A GradScaler steps a fused optimizer (`_step_supports_amp_scaling`) with the
+        gradients still scaled, and even when they hold inf/NaN: the kernel unscales and
+        skips by itself, told through these two attributes."""
+        found_inf = getattr(self.optimizer, "found_inf", None)
+        if not isinstance(found_inf, torch.Tensor):
+            return None
+        scale = getattr(self.optimizer, "grad_scale", None)
+        return found_inf, scale if isinstance(scale, torch.Tensor) else None
+
+    def _count_fused_skip(self) -> None:
+        if self._amp is None:
+            return
+        skipped = (self._amp[0].detach().reshape(-1)[0] != 0).to(torch.int64)
+        self.fused_skips = skipped if self.fused_skips is None else self.fused_skips + skipped
+
+    def _report_fused_skips(self) -> None:
+        if self.fused_skips is None:
+            return
+        count = int(self.fused_skips)  # a sync, on watched steps of fused+GradScaler runs only
+        new = count - self.fused_skips_reported
+        if new <= 0:
+            return
+        # How many of the new skips each parameter's gradient was inf/NaN on: it is
+        # listed on that many of the skip events, so its count comes out exact.
+        blamed: dict[int, int] = {}
+        for bucket in self.buckets:
+            counts = bucket.skip_nonfinite.tolist()
+            for k, c in enumerate(counts):
+                delta = c - self.skip_blamed.get(bucket.positions[k], 0)
+                if delta > 0:
+                    blamed[bucket.positions[k]] = delta
+                    self.skip_blamed[bucket.positions[k]] = c
+        cause = getattr(self.optimizer, "skip_cause", None) or (
+            "GradScaler found inf/NaN gradients and the fused optimizer skipped its update"
+        )
+        for j in range(new):
+            bad = sorted(pos for pos, c in blamed.items() if c > j)
+            self.emit(
+                {
+                    "event": "skip",
+                    "optimizer": self.index,
+                    "step": self.step,
+                    "cause": f"{cause} (counted at this watched step)",
+                    "nonfinite": bad[:MAX_SKIP_NAMES],
+                    "nonfinite_count": len(bad),
+                    # step() was called (the kernel skipped), so it is among the steps
+                    "counted_as_step": True,
+                }
+            )
+        self.fused_skips_reported = count
+
+    def _gradients(self) -> None:
+        present = [i for i, p in enumerate(self.params) if self.grad_of(p) is not None]
+        self._present = present
+        for i in present:
+            self.present_count[i] += 1
+            self.present_window[i] += 1
+        for bucket in self.buckets:  # (every step: the position map is built once)
+            local = bucket.local
+            bucket.grads_before(self.step, [local[i] for i in present if i in local], self._amp)
+
+    def _learning_rates(self) -> None:
+        zero_groups = set()
+        for g_index, group in enumerate(self.optimizer.param_groups):
+            lr = _host_float(group.get("lr"))
+            if lr is not None:
+                self.lr_sum[g_index] += lr
+                if lr == 0:
+                    zero_groups.add(g_index)
+        if zero_groups:
+            for i in self._present:
+                if self.groups[i] in zero_groups:
+                    self.lr0_steps[i] += 1
+
+    def _resets(self) -> None:
+        state = self.optimizer.state
+        fresh = []
+        for i in self.stateful_positions:
+            p = self.params[i]
+            has = bool(state.get(p))
+            if has:
+                if not self.had_state[i]:
+                    self.had_state[i] = True
+                    _HAD_STATE[p] = True
+            elif self.had_state[i] and self.grad_of(p) is not None:
+                fresh.append(i)
+        if not fresh:
+            return
+        groups = sorted({g for i in fresh if (g := self.groups[i]) is not None})
+        predicted = [_predicted_reset_amplification(self.optimizer.param_groups[g]) for g in groups]
+        event = {
+            "event": "reset",
+            "optimizer": self.index,
+            "step": self.step,
+            "params": fresh,
+            "predicted_amplification": max((p for p in predicted if p is not None), default=None),
+            "cause": "a new optimizer took over parameters another one had trained"
+            if self.step == self.start_step + 1
+            else "the optimizer's state was emptied (cleared, or loaded without state)",
+        }
+        self.emit(event)
+        # Measure every step of the burst in full, and compare the update sizes of the
+        # small parameters right after the reset with those right before it.
+        self.burst_until = self.step + self.config.burst - 1
+        before = list(range(max(1, self.step - RING + 1), self.step))
+        self.pending_resets.append(
+            {
+                "step": self.step,
+                "before_steps": len(before),
+                "before": [
+                    b.ring_mean(before) if before and b.small else None for b in self.buckets
+                ],
+            }
+        )
+        self._watched = True
+
+    def _reset_effects(self) -> None:
+        done = [r for r in self.pending_resets if self.step >= r["step"] + self.config.burst - 1]
+        for reset in done:
+            self.pending_resets.remove(reset)
+            after = list(range(reset["step"], reset["step"] + self.config.burst))
+            small, before, first, mean_after = [], [], [], []
+            for bucket, b_before in zip(self.buckets, reset["before"], strict=True):
+                if not bucket.small:
+                    continue
+                rows = torch.stack(
+                    [
+                        b_before
+                        if b_before is not None
+                        else torch.full_like(bucket.path, math.nan),
+                        bucket.ring[reset["step"] % RING],
+                        bucket.ring_mean(after),
+                    ]
+                )
+                if self.shards is not None and self.shards.ranks is not None:
+                    # Norms of the slices -> norms of the parameters (exact per step).
+                    world = self.shards.ranks.world_size
+                    w = torch.tensor(
+                        [distributed.share_of_sum(bucket.params[i], world) for i in bucket.small],
+                        dtype=torch.float64,
+                    )
+                    rows = distributed.all_reduce(
+                        self.shards.ranks, rows.cpu() ** 2 * w, "sum", "watch: reset effects"
+                    ).sqrt()
+                rows_list = rows.tolist()
+                small += [bucket.positions[i] for i in bucket.small]
+                before += rows_list[0]
+                first += rows_list[1]
+                mean_after += rows_list[2]
+            self.emit(
+                {
+                    "event": "reset_effect",
+                    "optimizer": self.index,
+                    "step": reset["step"],
+                    "before_steps": reset["before_steps"],
+                    "after_steps": len(after),
+                    "params": small,
+                    "before": before,
+                    "first": first,
+                    "after": mean_after,
+                }
+            )
+
+    def _small_before(self) -> None:
+        for bucket in self.buckets:
+            bucket.small_before(self._amp)
+
+    def _small_after(self) -> None:
+        for bucket in self.buckets:
+            bucket.small_after(self.step)
+        self.small_steps += 1
+
+    def _copy_before(self) -> None:
+        total = sum(self.params[b.positions[i]].numel() for b in self.buckets for i in b.large)
+        budget = total if self.config.full else max(1, int(total * self.config.copy_fraction))
+        # Round-robin over the large parameters, at least one per watched step.
+        order = [(b, i) for b in self.buckets for i in b.large]
+        if not order:
+            return
+        chosen: dict[int, list[int]] = {}
+        used = taken = 0
+        for k in range(len(order)):
+            bucket, i = order[(self.rotation + k) % len(order)]
+            size = bucket.params[i].numel()
+            if used and used + size > budget:
+                break
+            chosen.setdefault(id(bucket), []).append(i)
+            used += size
+            taken = k + 1
+        self.rotation = (self.rotation + taken) % len(order)
+        for bucket in self.buckets:
+            bucket.copy_before(chosen.get(id(bucket), []))
+
+    def _scaler_skip(self) -> None:
+        bad = self._nonfinite_grads()
+        self.emit(
+            {
+                "event": "skip",
+                "optimizer": self.index,
+                "step": self.step,
+                "cause": "GradScaler found inf/NaN gradients and skipped optimizer.step()",
+                "nonfinite": bad[:MAX_SKIP_NAMES],
+                "nonfinite_count": len(bad),
+            }
+        )
+
+    def _nonfinite_grads(self) -> list[int]:
+        """The positions of the parameters whose gradient holds inf/NaN, read on a step
+        the scaler skipped (it has unscaled them by then, and synced to decide): one
+        check per parameter and one transfer per device, on skipped steps only."""
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for k, p in enumerate(self.params):
+            g = self.grad_of(p)
+            if g is None or g.is_sparse:
+                continue
+            local = distributed.local_tensor(g)
+            by_device.setdefault(local.device, []).append((k, local))
+        bad: list[int] = []
+        for items in by_device.values():
+            finite = torch.stack([torch.isfinite(g).all() for _, g in items]).tolist()
+            bad += [k for (k, _), ok in zip(items, finite, strict=True) if not ok]
+        return sorted(bad)
+
+    def _record(self) -> None:
+        n = len(self.params)
+        grad_rms: list[float | None] = [None] * n
+        pnorm: list[float | None] = [None] * n
+        unorm: list[float | None] = [None] * n
+        moved: list[bool | None] = [None] * n
+        small_stats: dict[str, list[float]] = {
+            k: [] for k in ("path", "rpos", "rneg", "sens", "gsum", "zero_upd", "drift")
+        }
+        values: list[float] = []
+        window_present = self.present_window
+        for bucket in self.buckets:
+            m = bucket.measure_after()
+            for k, pos in enumerate(bucket.positions):
+                count = window_present[pos]
+                grad_rms[pos] = _g7(math.sqrt(m["gsq"][k] / count)) if count else None
+                pnorm[pos] = _g7(m["pnorm"][k])
+                moved[pos] = m["moved"][k]
+                if m["bad_grad"][k] >= 0:
+                    self._nonfinite(pos, "grad", int(m["bad_grad"][k]))
+                if not math.isfinite(m["pnorm"][k]):
+                    self._nonfinite(pos, "value", self.step)
+            for k, u in m["unorm"].items():
+                unorm[bucket.positions[k]] = _g7(u)
+            for key in small_stats:
+                small_stats[key] += m[key]
+            values += m["values"]
+        lrs = [_host_float(g.get("lr")) for g in self.optimizer.param_groups]
+        self.emit(
+            {
+                "event": "step",
+                "optimizer": self.index,
+                "step": self.step,
+                "window": self.window,
+                "lr": lrs,
+                "lr_sum": list(self.lr_sum),
+                "grad_present": list(self.present_count),
+                "lr0_steps": list(self.lr0_steps),
+                "grad_rms": grad_rms,
+                "param_norm": pnorm,
+                "update_norm": unorm,
+                "moved": moved,
+                "small_steps": self.small_steps,
+                **{f"small_{k}": v for k, v in small_stats.items()},
+                "values": values,
+            }
+        )
+        self.window = 0
+        self.present_window = [0] * len(self.params)
+
+    def _nonfinite(self, pos: int, what: str, step: int) -> None:
+        if (pos, what) in self.reported_bad:
+            return
+        self.reported_bad.add((pos, what))
+        self.emit(
+            {
+                "event": "nonfinite",
+                "optimizer": self.index,
+                "step": step,
+                "param": pos,
+                "what": what,
+            }
+        )

@@ -1,0 +1,117 @@
+"""The script side of `deadweight run`: watch every optimizer, close the log at exit.
+
+`deadweight run` starts the user's command with `deadweight/watching/_bootstrap` first on
+PYTHONPATH and the settings in `DEADWEIGHT_RUN_*` variables; that folder's
+`sitecustomize` calls `start()` before the script's first line runs. The log is
+opened only when an optimizer first steps, so a launcher or data-loading process
+that never steps writes nothing. Under torchrun every rank but 0 writes to
+`LOG.rank{N}.jsonl`; any other process that steps after the first one claimed the
+log (a script started by the script) writes to `LOG.pid{N}.jsonl`.
+
+`deadweight run` has created (and locks) the main log itself. A rank or pid log is
+created only where no file is, or over a log of this same run (the `run_id` of its
+start event, from `DEADWEIGHT_RUN_ID`): a file of the user's that happens to have such
+a name is never overwritten; that process then writes no log and says so.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from types import TracebackType
+
+from deadweight.watching.event_log import log_path_for_pid, log_path_for_rank, read_start
+from deadweight.watching.step_monitor import MonitorConfig
+
+ENV_LOG = "DEADWEIGHT_RUN_LOG"
+ENV_EVERY = "DEADWEIGHT_RUN_EVERY"
+ENV_FULL = "DEADWEIGHT_RUN_FULL"
+ENV_OWNER = "DEADWEIGHT_RUN_OWNER"  # pid of the process that writes the main log
+# "0": do not wrap Tensor.backward to record the loss (the report then has no loss curve)
+ENV_LOSS = "DEADWEIGHT_RUN_LOSS"
+# Written into the start event of every log of one `deadweight run`: the parent reports
+# the rank and pid logs that carry it, and no others.
+ENV_RUN_ID = "DEADWEIGHT_RUN_ID"
+ENV_CHECK = "DEADWEIGHT_RUN_CHECK"  # "0": no step-0 check (`deadweight run --no-check`)
+
+_reason = ["exited"]
+
+
+def claim_log_path(path: str) -> str:
+    """The log this process writes, decided when it first steps an optimizer."""
+    rank = os.environ.get("RANK")
+    if rank is not None:
+        try:
+            return log_path_for_rank(path, rank)
+        except ValueError:  # not a number: not a name to put in a path; a log of its own
+            return log_path_for_pid(path, os.getpid())
+    owner = os.environ.get(ENV_OWNER)
+    if owner and owner != str(os.getpid()):
+        return log_path_for_pid(path, os.getpid())
+    # Processes started from now on inherit this and write logs of their own.
+    os.environ[ENV_OWNER] = str(os.getpid())
+    return path
+
+
+def may_write(path: str, main: str, run_id: str | None) -> bool:
+    """Whether this process may (over)write `path`: the main log, which `deadweight run`
+    created for this run; a new file, created here and now; or a log of this run."""
+    if os.path.abspath(path) == os.path.abspath(main):
+        return True
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        return True
+    except FileExistsError:
+        pass
+    except OSError:
+        return True  # the writer reports why it cannot write there
+    start = read_start(path)
+    return start is not None and run_id is not None and start.get("run_id") == run_id
+
+
+def start() -> None:
+    from deadweight.watching.watcher import GlobalWatch
+
+    run_id = os.environ.get(ENV_RUN_ID)
+
+    class RunWatch(GlobalWatch):
+        def _open_log(self) -> None:
+            if self.log_path is not None and self._writer is None and self._pending is not None:
+                main = self.log_path
+                self.log_path = claim_log_path(main)
+                if not may_write(self.log_path, main, run_id):
+                    print(
+                        f"deadweight: not writing {self.log_path}: the file exists and is not "
+                        "a log of this run (this process is watched without a log)",
+                        file=sys.stderr,
+                    )
+                    self.log_path, self._pending = None, None
+                    return
+                for event in self._pending:
+                    if event.get("event") == "start" and run_id is not None:
+                        event["run_id"] = run_id
+            super()._open_log()
+
+    config = MonitorConfig(
+        every=int(os.environ.get(ENV_EVERY, "20")), full=os.environ.get(ENV_FULL) == "1"
+    )
+    watch = RunWatch(
+        config=config,
+        log=os.environ[ENV_LOG],
+        argv=list(sys.argv),
+        loss=os.environ.get(ENV_LOSS) != "0",
+        check=os.environ.get(ENV_CHECK) != "0",
+    )
+    previous_hook = sys.excepthook
+
+    def excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        _reason[0] = (
+            "interrupted"
+            if issubclass(kind, KeyboardInterrupt)
+            else f"raised {kind.__name__}: {exc}"
+        )
+        previous_hook(kind, exc, tb)
+
+    sys.excepthook = excepthook
+    atexit.register(lambda: watch.close(_reason[0]))

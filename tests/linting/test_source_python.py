@@ -1,0 +1,113 @@
+"""The Python source probe's facts, below the rules: trainable attributes, whether each is
+live or frozen, cut sites and their kinds, spans, suppressions, import resolution."""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+
+import pytest
+
+from deadweight.linting.python_facts import Source
+from deadweight.linting.source_python import find_suppressions, probe_python
+
+MODEL = textwrap.dedent("""
+    import torch as th
+    from torch import nn, no_grad as ng
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.act = nn.GELU()
+
+        def forward(self, x):
+            return self.act(self.fc(x))
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(2)])
+            self.norm = nn.LayerNorm(4, elementwise_affine=False)
+            self.scale = nn.Parameter(th.ones(1))
+            self.frozen = nn.Linear(4, 4)
+            self.frozen.weight.requires_grad = False
+            self.head = nn.Linear(4, 1)
+            self.register_buffer("mask", th.ones(4))
+
+        def forward(self, x):
+            with ng():
+                for block in self.blocks:
+                    x = block(x)
+                x = self.frozen(self.norm(x))
+            y = self.head(x) * self.mask.sum()
+            return y + self.scale.detach(), self.scale
+""").lstrip()
+
+
+def test_attributes_live_frozen_and_cut_sites() -> None:
+    facts = probe_python(MODEL, "model.py")
+    (module,) = facts.modules
+    assert module.owner == "Model"
+    attrs = module.attributes
+    # nn.GELU, an affine-free LayerNorm and buffers hold no trainable state
+    assert set(attrs) == {"blocks", "frozen", "scale"}
+    assert attrs["blocks"].constructor == "nn.ModuleList of Block"
+    assert not attrs["blocks"].live and not attrs["blocks"].frozen
+    assert attrs["frozen"].frozen
+    assert attrs["scale"].live  # returned as is beside the detached copy
+    no_grad, detach = module.cuts
+    assert no_grad.kind == "no_grad" and no_grad.construct == "ng()"  # an import alias
+    assert no_grad.attributes == ("blocks", "frozen")
+    line = next(n for n, text in enumerate(MODEL.splitlines(), 1) if "with ng():" in text)
+    assert (no_grad.span.line, no_grad.span.column, no_grad.span.end_column) == (line, 14, 18)
+    assert detach.kind == "detach" and detach.attributes == ("scale",)
+
+
+def test_suppressions_come_from_comments_only() -> None:
+    source = textwrap.dedent("""
+        a = 1  # deadweight: ignore[DW501, forward-gradient-cut]
+        b = "# deadweight: ignore"
+        c = 2  # deadweight: ignore
+        d = 3  # deadweight:ignore[dw504]
+    """)
+    assert find_suppressions(source) == {
+        2: frozenset({"DW501", "forward-gradient-cut"}),
+        4: frozenset(),
+        5: frozenset({"DW504"}),
+    }
+
+
+@pytest.mark.parametrize(
+    "imports,expr,expected",
+    [
+        ("import torch.nn as nn", "nn.Linear", "torch.nn.Linear"),
+        ("from torch import nn", "nn.Linear", "torch.nn.Linear"),
+        ("from torch.nn import Linear as L", "L", "torch.nn.Linear"),
+        ("import torch", "torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint"),
+        ("try:\n    from torch.utils import checkpoint\nexcept ImportError:\n    pass",
+         "checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint"),
+    ],
+)  # fmt: skip
+def test_names_resolve_through_imports(imports: str, expr: str, expected: str) -> None:
+    text = imports + "\n"
+    source = Source(text, "m.py", ast.parse(text))
+    node = ast.parse(expr, mode="eval").body
+    assert source.resolve(node) == expected
+
+
+def test_files_without_the_words_cost_one_parse() -> None:
+    facts = probe_python("import torch\n\n\ndef f(x):\n    return x + 1\n", "m.py")
+    assert (facts.modules, facts.rank_decay, facts.autograd_gaps, facts.checkpoints) == (
+        (),
+        (),
+        (),
+        (),
+    )
+
+
+def test_syntax_errors_propagate() -> None:
+    with pytest.raises(SyntaxError):
+        probe_python("def (:\n", "m.py")

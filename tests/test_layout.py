@@ -1,0 +1,140 @@
+"""The package's layout holds: four capabilities (checking, watching, checkpoints,
+linting) and the distributed plumbing, over a shared core; no import cycle; no
+capability reaching into another's internals; and every public name where the
+documentation says it is. docs/architecture.md describes the layout."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+import deadweight
+
+SRC = Path(deadweight.__file__).parent
+CAPABILITIES = ("checking", "watching", "checkpoints", "linting", "distributed")
+# What one capability may use of another: its entry point (`api`), the statistics it
+# publishes for the cross-rank rules, and the distributed plumbing every one uses.
+PUBLISHED = {"deadweight.watching.watch_stats"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        out[".".join(parts).removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules `path` imports, anywhere in it (lazy imports too), but
+    not under `if TYPE_CHECKING:`, which never runs."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in modules}
+
+
+def _capability(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in CAPABILITIES else None
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    modules = _modules()
+    graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
+    # every module's reach, by depth-first search; a cycle is a module that reaches itself
+    cycles = []
+    for start in graph:
+        stack, seen = list(graph[start]), set()
+        while stack:
+            m = stack.pop()
+            if m == start:
+                cycles.append(start)
+                break
+            if m not in seen:
+                seen.add(m)
+                stack.extend(graph[m])
+    assert cycles == []
+
+
+def test_a_capability_uses_another_only_through_its_entry_point() -> None:
+    modules = _modules()
+    crossing = []
+    for module, path in modules.items():
+        mine = _capability(module)
+        if mine is None:
+            continue
+        for target in _imports(path, modules):
+            theirs = _capability(target)
+            if theirs in (None, mine, "distributed"):
+                continue
+            if target.endswith(".api") or target in PUBLISHED:
+                continue
+            crossing.append(f"{module} -> {target}")
+    assert crossing == []
+
+
+def test_rules_judge_statistics_and_never_import_tracers_or_scanners() -> None:
+    """A rule module imports findings, the registry, thresholds and statistics: not
+    the code that measures (which would let a rule re-measure)."""
+    modules = _modules()
+    measuring = {
+        "deadweight.checking.op_trace",
+        "deadweight.checking.module_trace",
+        "deadweight.watching.step_monitor",
+        "deadweight.watching.watcher",
+        "deadweight.checkpoints.tensor_pass",
+        "deadweight.checkpoints.native_reduce",
+        "deadweight.linting.source_python",
+        "deadweight.linting.source_python_cuts",
+        "deadweight.linting.source_rust",
+    }
+    reaching = [
+        f"{module} -> {target}"
+        for module, path in modules.items()
+        if ".rules." in module
+        for target in _imports(path, modules)
+        if target in measuring
+    ]
+    assert reaching == []
+
+
+PUBLIC = {
+    "deadweight": deadweight.__all__,
+    "deadweight.testing": ["assert_all_learn"],
+    "deadweight.integrations.transformers": ["DeadweightCallback"],
+    "deadweight.integrations.lightning": ["DeadweightCallback"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_every_public_name_is_where_the_documentation_says(module: str) -> None:
+    if module.startswith("deadweight.integrations."):
+        pytest.importorskip(module.rsplit(".", 1)[1])  # the framework it integrates
+    loaded = importlib.import_module(module)
+    missing = [name for name in PUBLIC[module] if not hasattr(loaded, name)]
+    assert missing == []
+    if module == "deadweight":  # the functions, not the capability packages of like name
+        assert callable(deadweight.check) and callable(deadweight.watch)
+        importlib.import_module("deadweight.checking.grad_flow")
+        importlib.import_module("deadweight.watching.step_monitor")
+        assert callable(deadweight.check) and callable(deadweight.watch)
+
+
+def test_the_architecture_document_names_every_capability() -> None:
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    for capability in CAPABILITIES:
+        assert f"{capability}/" in doc
+    assert "docs/architecture.md" in (SRC.parents[1] / "README.md").read_text()
