@@ -289,3 +289,20 @@ def test_a_forged_step_0_finding_is_left_out_and_said(tmp_path: Any) -> None:
     ((report, _),) = load_log(log)
     assert {f.code for f in step0(report)} == {"DW101", "DW102"}  # the two real ones
     assert sum("step-0 finding was left out" in p for p in report.subject["problems"]) == 2
+
+
+def test_the_check_s_own_backward_is_neither_a_loss_nor_a_backward_of_the_script() -> None:
+    model = seeded.tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gc.collect()
+    watch = GlobalWatch(config=MonitorConfig(every=1), log=None, argv=[], check=True)
+    try:
+        for ids in seeded.batches(STEPS):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        watch.close()
+    assert watch.stats.step0_mode == "replayed"
+    assert watch.backwards == STEPS
+    assert len(watch.stats.loss_values) == STEPS

@@ -657,6 +657,7 @@ class GlobalWatch(Watch):
         self._handles.append(register_optimizer_step_post_hook(self._global_post))
         self._tensor_backwards = 0  # scalar `.backward()` calls, when the loss is recorded
         self._record_losses = loss
+        self._checking = False  # inside the step-0 check, whose backward is deadweight's
         self._first: FirstStep | None = None
         if check:
             self._first = FirstStep()
@@ -695,6 +696,8 @@ class GlobalWatch(Watch):
             if first is not None and not first.done:  # while the graph is whole
                 self._loss_to_check(first, tensor, args, kwargs)
             result = original(tensor, *args, **kwargs)
+            if self._checking:  # the step-0 check's own backward is not the script's
+                return result
             self._tensor_backwards += 1
             # After backward returned: a backward that raises records nothing.
             record(tensor, args, kwargs)
@@ -759,8 +762,15 @@ class GlobalWatch(Watch):
 
     def _step_zero(self, first: FirstStep, optimizer: torch.optim.Optimizer) -> None:
         """The step-0 check, into the log; never stops the script."""
+        self._checking = True
         try:
             event = first.run(optimizer)
+        except Exception as exc:
+            self._error("step-0 check", exc)
+            return
+        finally:
+            self._checking = False
+        try:
             self._open_log()
             self._emit({"event": "check", "step": 0, **event})
         except Exception as exc:
