@@ -13,7 +13,7 @@ import deadweight
 from deadweight.demos import fused_rmsnorm, layer_scalar_drift
 from tests.checking.test_check_backward_after import GainBeforeNorm
 
-README = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+README = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
 
 
 def _calls(model: nn.Module, loss: Callable[[], torch.Tensor], opt=None) -> int:  # type: ignore[no-untyped-def]

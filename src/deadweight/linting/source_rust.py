@@ -22,10 +22,10 @@ is not candle's. Names it cannot resolve are left alone.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from deadweight.linting import suppressions
+from deadweight.linting.rust_facts import FusedCall, RustSourceFacts
 from deadweight.linting.source_files import Span, character_column
 from deadweight.linting.suppressions import Suppressions
 
@@ -79,23 +79,6 @@ _WORDS = ("softmax_last_dim", "rms_norm", "layer_norm", "rope", "sdpa", "_no_bwd
 
 class MissingParser(ImportError):
     """tree-sitter or its Rust grammar is not installed."""
-
-
-@dataclass(frozen=True)
-class FusedCall:
-    span: Span
-    function: str | None  # "Model::forward", or the free function holding the call
-    op: str  # "ops::softmax_last_dim", "RmsNorm::forward", "apply_op2_no_bwd"
-    replacement: str
-    receiver: str | None = None  # the RmsNorm / LayerNorm expression
-
-
-@dataclass(frozen=True)
-class RustSourceFacts:
-    path: str
-    calls: tuple[FusedCall, ...] = ()
-    parse_errors: tuple[Span, ...] = ()
-    suppressions: Suppressions = field(default_factory=dict)
 
 
 _PARSER: Any = None

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from deadweight.findings import Finding, Severity
 from deadweight.linting.rules._source import location
-from deadweight.linting.source_rust import RustSourceFacts
+from deadweight.linting.rust_facts import RustSourceFacts
 from deadweight.registry import get_rule, rule
 
 
