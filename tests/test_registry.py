@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from deadweight import registry
-from deadweight.checking.grad_flow import GradFlowStats
+from deadweight.checking.check_stats import GradFlowStats
 from deadweight.findings import Finding, Severity
 from deadweight.registry import DOC_SECTIONS, Selection, all_rules, get_rule, rule
 

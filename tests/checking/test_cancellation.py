@@ -20,7 +20,8 @@ from torch import nn
 import deadweight
 from deadweight import Severity
 from deadweight.checking.cancellation import relative_change
-from deadweight.checking.grad_flow import GradFlowStats, measure_grad_flow
+from deadweight.checking.check_stats import GradFlowStats
+from deadweight.checking.grad_flow import measure_grad_flow
 from tests.conftest import marker_line
 
 LossOf = Callable[[nn.Module], torch.Tensor]

@@ -4,7 +4,8 @@ import os
 
 import torch
 
-from deadweight.checking.sites import definition_site, display_path, user_site
+from deadweight.checking.check_stats import display_path
+from deadweight.checking.sites import definition_site, user_site
 
 
 def test_user_site_skips_torch_frames():

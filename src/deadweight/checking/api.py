@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from deadweight import wrappers
-from deadweight.checking.grad_flow import GradFlowStats, measure_grad_flow
+from deadweight.checking.check_stats import GradFlowStats
+from deadweight.checking.grad_flow import measure_grad_flow
 from deadweight.config import ConfigLike, applies_settings
 from deadweight.distributed import ranks as distributed
 from deadweight.distributed.rules._ranks import merge_rank_findings
@@ -84,27 +85,21 @@ def check(
             "deadweight.check cannot run its backward through a DeepSpeed engine: call it "
             "on the model before deepspeed.initialize() (watch works on the engine)"
         )
-    ranks = distributed.ranks_for(model)
-    # FSDP2: statistics are summed over the local shards inside the measurement.
-    shards = (
-        distributed.Shards(ranks)
-        if isinstance(model, nn.Module) and distributed.holds_dtensors(list(model.parameters()))
-        else None
-    )
     if optimizer is not None:  # a framework's wrapper: the torch optimizer inside it
         optimizer = wrappers.torch_optimizer(optimizer) or optimizer
-    with distributed.local_backward(model), _eager(), wrappers.own_backward(model):
-        stats = measure_grad_flow(wrappers.user_model(model), loss_fn, optimizer, shards=shards)
+    # Distributed: one call before measuring, one after (`_combine_ranks`).
+    with distributed.layout_for_check(model) as layout, _eager(), wrappers.own_backward(model):
+        # FSDP2: statistics are summed over the local shards inside the measurement.
+        stats = measure_grad_flow(
+            wrappers.user_model(model), loss_fn, optimizer, shards=layout.shards
+        )
     findings = [f for r in rules_consuming(GradFlowStats) for f in r.judge(stats)]
     trainable = [p for p in stats.params if p.trainable]
     extra: dict[str, Any] = {}
     if stats.state_note is not None:
         extra["state_note"] = stats.state_note
-    if ranks is not None:
-        findings, extra["distributed"] = _combine_ranks(ranks, model, stats, findings)
-        if shards is not None:
-            extra["distributed"]["sharded"] = True
-            extra["distributed"]["note"] = stats.probe_note
+    if layout.ranks is not None:
+        findings, extra["distributed"] = _combine_ranks(layout, model, stats, findings)
     return Report.of(
         "check",
         selection.filter(findings),
@@ -122,11 +117,15 @@ def check(
 
 
 def _combine_ranks(
-    ranks: distributed.Ranks, model: nn.Module, stats: GradFlowStats, local: list[Finding]
+    layout: distributed.Layout, model: nn.Module, stats: GradFlowStats, local: list[Finding]
 ) -> tuple[list[Finding], dict[str, Any]]:
     """Every rank's findings merged, plus the cross-rank rules; marked incomplete on failure."""
+    ranks = layout.ranks
+    assert ranks is not None
     names = [p.name for p in stats.params]
     summary: dict[str, Any] = {**ranks.describe(), "complete": True}
+    if layout.shards is not None:
+        summary.update(sharded=True, note=stats.probe_note)
     try:
         distributed.check_same_names(ranks, names, "check")
         rows = [[p.has_grad for p in stats.params]]

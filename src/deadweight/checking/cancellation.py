@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -56,7 +55,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from deadweight import autograd_graph
 from deadweight.checking import state
-from deadweight.checking.sites import Site, user_site
+from deadweight.checking.check_stats import Cancellation, Mechanism
+from deadweight.checking.sites import user_site
 
 Tensor = torch.Tensor
 SCALE = 0
@@ -112,52 +112,6 @@ class Carrier:
 
 
 _EMPTY = Carrier()
-
-
-@dataclass(frozen=True)
-class Mechanism:
-    """One op call that cancelled a parameter's effect."""
-
-    op: str  # the cancelling op, as users know it ("LayerNorm", "softmax over keys", ...)
-    call: str  # the traced callable's name
-    ordinal: int  # which call of `call` in the forward (for the confirming re-run)
-    site: Site | None
-    module: str | None
-    dims: tuple[int, ...]  # the dims it normalizes over
-    facet: str  # "full" or "uniform"
-    approx: bool  # the cancellation holds up to the op's eps
-
-    def describe(self) -> str:
-        """ "LayerNorm in module ln_f at model.py:88 in GPT.forward"."""
-        module = f" in module {self.module}" if self.module else ""
-        where = f" at {_short(self.site)}" if self.site is not None else ""
-        return f"{self.op}{module}{where}"
-
-
-def _short(site: Site) -> str:
-    """A site, with an installed package's file named from the package on."""
-    text = str(site)
-    marker = "site-packages" + os.sep
-    at = text.find(marker)
-    return text[at + len(marker) :] if at >= 0 else text
-
-
-@dataclass(frozen=True)
-class Cancellation:
-    """A parameter that a cancelling op removes from the loss, by construction."""
-
-    name: str
-    kind: str  # "scale" or "shift"
-    full: bool  # every direction cancelled (it cannot learn at all)
-    mechanisms: tuple[Mechanism, ...]
-    confirmed: bool | None = None  # None: not confirmed by a re-run (impossible or skipped)
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def mechanism(self) -> str:
-        shown = "; ".join(m.describe() for m in self.mechanisms[:2])
-        more = len(self.mechanisms) - 2
-        return shown + (f" and {more} more" if more > 0 else "")
 
 
 @dataclass

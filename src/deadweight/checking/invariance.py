@@ -38,8 +38,13 @@ from typing import Any
 
 import torch
 
-from deadweight import thresholds
 from deadweight.checking import state
+from deadweight.checking.check_stats import (
+    SCALE_FACTOR,
+    GradStats,
+    ProbeResult,
+    loss_scale,
+)
 
 # A first-order relative loss change below this makes a parameter a candidate. In a
 # small reproduction of the layer-scalar incident the cancelled scalar scored 7e-7
@@ -48,9 +53,6 @@ from deadweight.checking import state
 # scalar to 2e-4, hence 5e-4. (Weak layers of a freshly initialised GPT-2 score
 # 5e-5 to 2e-3: the few below the bar cost a probe each.)
 SCREEN = 5e-4
-SCALE_FACTOR = 10.0
-SHIFT_RMS = 10.0
-SHIFT_FOR_ZERO = 10.0
 # "Unchanged": within this many ulps (machine epsilons of the loss's dtype) of the loss.
 CONFIRM_ULPS = 32
 # The x10 point of the scale probe may move the loss by at most this fraction (the
@@ -61,31 +63,6 @@ MAX_PROBE_FORWARDS = 24
 # A gradient is at the noise floor when moving the parameter by its own size (by 1
 # for an all-zero one) would, to first order, change the loss by less than
 # `noise-floor-ulps` ulps of the loss (deadweight.thresholds, 16 by default).
-
-
-@dataclass(frozen=True)
-class GradStats:
-    """The numbers the gradient screens need, for one parameter."""
-
-    grad_norm: float
-    grad_dot_param: float  # <g, theta>
-    grad_sum: float  # sum(g)
-    param_norm: float
-    param_rms: float
-    exact_zero: bool  # every gradient entry is exactly 0
-
-    def scale_score(self, loss: float) -> float:
-        return (SCALE_FACTOR - 1) * abs(self.grad_dot_param) / _safe(loss)
-
-    def shift_step(self) -> float:
-        return SHIFT_RMS * self.param_rms if self.param_rms > 0 else SHIFT_FOR_ZERO
-
-    def at_noise_floor(self, loss: float, eps: float) -> bool:
-        ulps = thresholds.current().noise_floor_ulps
-        return self.grad_norm * max(self.param_norm, 1.0) <= ulps * eps * _safe(loss)
-
-    def shift_score(self, loss: float) -> float:
-        return self.shift_step() * abs(self.grad_sum) / _safe(loss)
 
 
 def grad_stats(params: Sequence[torch.Tensor]) -> list[GradStats]:
@@ -136,17 +113,6 @@ def grad_stats_from_sums(sums: Sequence[Sequence[float]], numels: Sequence[int])
         )
         for v, n in zip(sums, numels, strict=True)
     ]
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """The measured effect of scaling or shifting a parameter (or a group holding it)."""
-
-    kind: str  # "scale" or "shift"
-    screen_score: float
-    relative_change: float | None  # None: not probed (budget spent or probe impossible)
-    invariant: bool
-    group_size: int  # how many candidates were perturbed together in the deciding probe
 
 
 @dataclass
@@ -207,18 +173,18 @@ def confirm(
                 value = run(group, lambda p, c: p.add_(c.step * spread[id(c)]))
                 if value is None:
                     return None, False
-                change = abs(value - base) / _safe(base)
+                change = abs(value - base) / loss_scale(base)
                 return change, change <= unchanged
             at10 = run(group, lambda p, c: p.mul_(SCALE_FACTOR * spread[id(c)]))
             if at10 is None:
                 return None, False
-            change = abs(at10 - base) / _safe(base)
+            change = abs(at10 - base) / loss_scale(base)
             if change > SCALE_RESIDUE:
                 return change, False
             at100 = run(group, lambda p, c: p.mul_(SCALE_FACTOR))
             if at100 is None:
                 return change, False
-            return change, abs(at100 - at10) / _safe(base) <= unchanged
+            return change, abs(at100 - at10) / loss_scale(base) <= unchanged
         finally:
             with torch.no_grad():
                 for c, s in zip(group, saved, strict=True):
@@ -349,9 +315,3 @@ def _widest_gap(group: list[_Candidate]) -> int:
     gaps = [(logs[i + 1] - logs[i], i + 1) for i in range(len(logs) - 1)]
     widest, at = max(gaps)
     return at if widest >= 1.0 else len(group) // 2
-
-
-def _safe(loss: float) -> float:
-    # A loss of exactly 0 would make every relative change infinite; 1e-12 keeps the
-    # ratio finite and still flags any real change.
-    return max(abs(loss), 1e-12)

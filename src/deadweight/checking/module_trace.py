@@ -17,8 +17,9 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
+from deadweight.checking.check_stats import Site
 from deadweight.checking.op_trace import tensors_in
-from deadweight.checking.sites import Site, user_site
+from deadweight.checking.sites import user_site
 
 
 @dataclass

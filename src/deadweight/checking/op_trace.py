@@ -31,7 +31,8 @@ from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.weak import WeakIdKeyDictionary
 
 from deadweight.checking.cancellation import COUNTED, StructureTracker
-from deadweight.checking.sites import Site, site_of, user_frame, user_site
+from deadweight.checking.check_stats import Site
+from deadweight.checking.sites import site_of, user_frame, user_site
 
 Tensor = torch.Tensor
 _TensorBase = torch._C.TensorBase

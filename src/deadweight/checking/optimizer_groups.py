@@ -8,35 +8,12 @@ other libraries that follow Adam's conventions are understood too.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class GroupInfo:
-    index: int
-    lr: float | None
-    initial_lr: float | None  # set by LR schedulers; lr may be 0 during warm-up
-    weight_decay: float
-    decoupled: bool  # AdamW-style decay (theta *= 1 - lr*wd) rather than L2 in the gradient
-    rule: str  # "adam", "rmsprop", "adagrad", "sgd" or "unknown"
-    betas: tuple[float, float] | None
-    eps: float | None
-    names: tuple[str, ...]  # model parameter names in this group (tied ones once)
-
-
-@dataclass
-class OptimizerFacts:
-    name: str
-    groups: list[GroupInfo]
-    group_of: dict[str, int] = field(default_factory=dict)  # param name -> group index
-    not_in_optimizer: list[str] = field(default_factory=list)  # trainable, in no group
-    frozen_in_optimizer: list[str] = field(default_factory=list)
-    foreign: list[dict[str, Any]] = field(default_factory=list)  # not in the model
-    duplicates: list[str] = field(default_factory=list)  # listed more than once
+from deadweight.checking.check_stats import GroupInfo, OptimizerFacts
 
 
 def optimizer_facts(model: nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerFacts:

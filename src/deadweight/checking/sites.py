@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from types import FrameType
 
 import torch
 
 import deadweight
+from deadweight.checking.check_stats import Site
 
 # Frames from these directories are never "the user's line": torch's own code (the
 # no_grad decorator wrapper, nn.Module.__call__, checkpoint) and deadweight's.
@@ -19,18 +19,6 @@ _SKIPPED_DIRS = tuple(
 # ...except the demo models that ship inside the package: their lines are the story.
 _DEMOS_DIR = os.path.join(_SKIPPED_DIRS[-1], "demos") + os.sep
 _CONTEXTLIB = "contextlib.py"
-
-
-@dataclass(frozen=True)
-class Site:
-    """A source position: file, line, and the function's qualified name."""
-
-    file: str
-    line: int
-    function: str
-
-    def __str__(self) -> str:
-        return f"{display_path(self.file)}:{self.line} in {self.function}"
 
 
 def _is_internal(filename: str) -> bool:
@@ -74,12 +62,3 @@ def definition_site(obj: object) -> Site | None:
     if file is None:
         return None
     return Site(file, max(line, 1), getattr(target, "__qualname__", str(target)))
-
-
-def display_path(path: str) -> str:
-    """A path relative to the working directory when it lies below it."""
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return path if rel.startswith("..") else rel

@@ -13,33 +13,13 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from deadweight.checking.sites import Site
-
-# How a forward wrote to a parameter (`ParamWrite.how`).
-WRITE_KINDS = {
-    "in-place": "an in-place op on the parameter itself (under torch.no_grad)",
-    "alias": "an in-place op on a tensor sharing its memory (.data, .detach(), a view)",
-    "rebind": "assigning a new tensor to its .data",
-    "unseen": "a write the op tracer could not see (NumPy, an extension kernel)",
-}
-
-
-@dataclass(frozen=True)
-class ParamWrite:
-    """A parameter whose values the checked forward changed."""
-
-    name: str
-    how: str  # a key of WRITE_KINDS
-    op: str | None  # the call that wrote, when seen
-    site: Site | None  # the user's line, when seen
-    restored: bool  # deadweight put the values back
+from deadweight.checking.check_stats import ParamWrite, Site
 
 
 def versions_of(tensors: Sequence[torch.Tensor]) -> list[int | None]:

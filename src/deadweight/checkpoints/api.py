@@ -16,8 +16,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from deadweight.checkpoints import checkpoint_scan as scan
-from deadweight.checkpoints.checkpoint_scan import DiffStats, InspectStats, Progress, TrendStats
+from deadweight.checkpoints.checkpoint_scan import Progress
 from deadweight.checkpoints.readers.notes import collecting_notes
+from deadweight.checkpoints.scan_stats import DiffStats, InspectStats, TrendStats
 from deadweight.config import ConfigLike, applies_settings
 from deadweight.registry import Selection, rules_consuming
 from deadweight.report import Report

@@ -21,7 +21,6 @@ import gc
 import math
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -41,8 +40,15 @@ from deadweight.checkpoints.readers import (
     step_of,
 )
 from deadweight.checkpoints.readers.base import PASS_THROUGH, reading_error
+from deadweight.checkpoints.scan_stats import (
+    CheckpointScan,
+    DiffStats,
+    InspectStats,
+    TensorDiff,
+    TrendStats,
+)
 from deadweight.checkpoints.tensor_pass import default_threads, scan_tensor
-from deadweight.checkpoints.tensor_stats import TensorStats, tensor_stats
+from deadweight.checkpoints.tensor_stats import tensor_stats
 from deadweight.homologous import layer_key
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -73,54 +79,6 @@ def _cycle_collector_paused(fn: _F) -> _F:
 Progress = Callable[[str, int], None]  # (what, bytes done) after each tensor
 
 DEFAULT_SCHEME = "int4-group128"  # what on-device INT4 deployment (GPTQ/AWQ) commonly uses
-
-
-@dataclass
-class CheckpointScan:
-    path: str
-    step: int | None
-    tensors: dict[str, TensorStats] = field(default_factory=dict)
-    optimizer: dict[str, object] | None = None
-    quant: dict[str, QuantRisk] = field(default_factory=dict)
-    # layer scalar -> (the weight it was quantized with, the risk of doing so)
-    joint: dict[str, tuple[str, QuantRisk]] = field(default_factory=dict)
-
-
-@dataclass
-class InspectStats:
-    scans: list[CheckpointScan]
-    scheme: str
-    errors: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class TensorDiff:
-    name: str
-    unchanged: bool  # bitwise
-    relative_change: float  # ||b - a|| / ||a||
-    max_abs_change: float
-
-
-@dataclass
-class DiffStats:
-    a: str
-    b: str
-    tensors: dict[str, TensorDiff] = field(default_factory=dict)
-    added: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)
-    reshaped: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
-    retyped: list[tuple[str, str, str]] = field(default_factory=list)
-    listed_only: list[str] = field(default_factory=list)  # int/bool tensors: not compared
-    errors: list[str] = field(default_factory=list)
-
-
-@dataclass
-class TrendStats:
-    paths: list[str]
-    steps: list[int | None]
-    # name -> value per checkpoint (None where the tensor is missing), single-element tensors
-    values: dict[str, list[float | None]] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
 
 
 def _open(path: str, unsafe_pickle: bool, errors: list[str]) -> Checkpoint | None:

@@ -182,6 +182,28 @@ def local_backward(model: nn.Module) -> Iterator[None]:
         model.require_backward_grad_sync, model.require_forward_param_sync = saved
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a model is spread over processes, as a check needs to know it."""
+
+    ranks: Ranks | None  # None in a single process
+    shards: Shards | None  # the parameters are DTensors (FSDP2); None otherwise
+
+
+@contextlib.contextmanager
+def layout_for_check(model: Any) -> Iterator[Layout]:
+    """The model's `Layout`; inside, a DDP model's forward and backward stay local
+    (`local_backward`). The check's one distributed call before it measures."""
+    ranks = ranks_for(model)
+    sharded = isinstance(model, nn.Module) and holds_dtensors(list(model.parameters()))
+    layout = Layout(ranks, Shards(ranks) if sharded else None)
+    if not isinstance(model, nn.Module):
+        yield layout
+        return
+    with local_backward(model):
+        yield layout
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of a (possibly DTensor) parameter that lives on this rank."""
     to_local = getattr(t, "to_local", None)
@@ -209,7 +231,7 @@ class Shards:
         One all-reduce of [value / world, failed]: a rank whose value is None or not
         finite still enters it, so the others neither wait for it nor go on without
         it, and every rank gets the same answer. The mean is formed as
-        `_sum_over_shards` forms the checked loss (value / world, summed in float64),
+        `checking.sharded_flow` forms the checked loss (value / world, summed in float64),
         so an unchanged rerun reproduces that loss.
         """
         mine = value if value is not None and math.isfinite(value) else None

@@ -17,7 +17,7 @@ from torch import nn
 
 import deadweight
 from deadweight import Severity
-from deadweight.checking import invariance
+from deadweight.checking import check_stats, invariance
 from deadweight.checking.grad_flow import measure_grad_flow
 from deadweight.demos import layer_scalar_drift as d
 from tests.tiny_transformers import bert_config
@@ -62,10 +62,10 @@ def relative_change_alone(model: nn.Module, loss_of: LossOf, name: str, kind: st
     with torch.no_grad():
         base = loss_of(clone).item()
         if kind == "scale":
-            p.mul_(invariance.SCALE_FACTOR)
+            p.mul_(check_stats.SCALE_FACTOR)
         else:
             rms = p.float().pow(2).mean().sqrt().item()
-            p.add_(invariance.SHIFT_RMS * rms if rms > 0 else invariance.SHIFT_FOR_ZERO)
+            p.add_(check_stats.SHIFT_RMS * rms if rms > 0 else check_stats.SHIFT_FOR_ZERO)
         return abs(loss_of(clone).item() - base) / abs(base)
 
 

@@ -33,10 +33,14 @@ import math
 from dataclasses import dataclass
 
 from deadweight import param_roles
-from deadweight.checking.cancellation import Cancellation
-from deadweight.checking.grad_flow import GradFlowStats, ParamInfo
-from deadweight.checking.invariance import ProbeResult
-from deadweight.checking.optimizer_groups import GroupInfo, OptimizerFacts
+from deadweight.checking.check_stats import (
+    Cancellation,
+    GradFlowStats,
+    GroupInfo,
+    OptimizerFacts,
+    ParamInfo,
+    ProbeResult,
+)
 from deadweight.findings import Severity
 from deadweight.thresholds import current
 

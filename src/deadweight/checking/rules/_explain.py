@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from deadweight.checking.grad_flow import Cut, GradFlowStats
-from deadweight.checking.sites import display_path
+from deadweight.checking.check_stats import Cut, GradFlowStats, display_path
 from deadweight.findings import Location
 
 BACKWARD_KINDS = frozenset({"custom-op-no-autograd", "dropped-in-backward", "no-autograd-kernel"})

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from deadweight.checking.grad_flow import GradFlowStats
-from deadweight.checking.invariance import SCALE_FACTOR
+from deadweight.checking.check_stats import SCALE_FACTOR, GradFlowStats
 from deadweight.checking.rules._effective import (
     Ineffective,
     movement,

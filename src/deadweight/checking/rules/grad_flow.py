@@ -6,10 +6,8 @@ import os
 from collections import defaultdict
 from collections.abc import Iterator
 
-from deadweight.checking.grad_flow import CUT_KINDS, GradFlowStats
+from deadweight.checking.check_stats import CUT_KINDS, WRITE_KINDS, GradFlowStats, display_path
 from deadweight.checking.rules._explain import CutGroup, explain
-from deadweight.checking.sites import display_path
-from deadweight.checking.state import WRITE_KINDS
 from deadweight.findings import Finding, Location, Severity
 from deadweight.registry import get_rule, rule
 

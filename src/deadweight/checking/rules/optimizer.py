@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from deadweight import param_roles
-from deadweight.checking.grad_flow import GradFlowStats
-from deadweight.checking.optimizer_groups import OptimizerFacts
+from deadweight.checking.check_stats import GradFlowStats, OptimizerFacts
 from deadweight.checking.rules._effective import Ineffective, at_risk, movement, severity_of
 from deadweight.findings import Finding, Location, Severity
 from deadweight.registry import get_rule, rule

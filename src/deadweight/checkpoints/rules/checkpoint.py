@@ -7,7 +7,7 @@ import math
 import statistics
 from collections.abc import Iterator
 
-from deadweight.checkpoints.checkpoint_scan import DiffStats, InspectStats, TrendStats
+from deadweight.checkpoints.scan_stats import DiffStats, InspectStats, TrendStats
 from deadweight.findings import Finding, Severity
 from deadweight.homologous import homologous_groups, robust_outlier
 from deadweight.registry import get_rule, rule

@@ -1,0 +1,149 @@
+"""Gradient flow on sharded parameters (FSDP2, DTensor): every rank measures together.
+
+`measure_grad_flow` calls in here twice when the model holds DTensor parameters:
+after the forward, to name the unsharded stand-ins the forward used
+(`stand_ins`), and in place of the single-process probes (`probe`). Nothing here
+runs for a model in one process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from deadweight.checking import invariance
+from deadweight.checking.check_stats import GradStats, ProbeResult
+from deadweight.distributed import ranks as distributed
+from deadweight.errors import CollectiveError
+
+if TYPE_CHECKING:
+    from deadweight.checking.grad_flow import _Flow
+
+
+def stand_ins(model: nn.Module, names_by_id: dict[int, str]) -> dict[int, torch.Tensor]:
+    """Sharded parameter id -> the unsharded leaf FSDP2 swapped in for the forward;
+    each leaf is named (in `names_by_id`) as its sharded parameter."""
+    unsharded = distributed.fsdp2_unsharded(model)
+    for sharded_id, leaf in unsharded.items():
+        if sharded_id in names_by_id:
+            names_by_id.setdefault(id(leaf), names_by_id[sharded_id])
+    return unsharded
+
+
+def probe(
+    model: nn.Module,
+    shards: distributed.Shards,
+    trainable: list[tuple[str, nn.Parameter]],
+    flow: _Flow,
+    value: float,
+    loss_eps: float,
+    local_rerun: Callable[[], float | None],
+) -> tuple[float, dict[str, GradStats], dict[tuple[str, str], ProbeResult], str | None]:
+    """The whole parameters' statistics and the loss of the whole batch (`flow`'s
+    gradient presence and reach become "on any rank"), then the functional probes
+    run by every rank together: the same candidates in the same order everywhere."""
+    value, stats, backward_failed = _sum_over_shards(
+        shards, trainable, flow.has_grad, flow.reached, value, flow.error is not None
+    )
+    probes, note = _probe_all_ranks(
+        model,
+        shards,
+        [(n, p) for n, p in trainable if flow.has_grad[id(p)]],
+        stats,
+        value,
+        loss_eps,
+        local_rerun,
+        runnable=not backward_failed and math.isfinite(value),
+    )
+    return value, stats, probes, note
+
+
+def _probe_all_ranks(
+    model: nn.Module,
+    shards: distributed.Shards,
+    with_grad: list[tuple[str, nn.Parameter]],
+    stats: dict[str, GradStats],
+    loss: float,
+    loss_eps: float,
+    local_rerun: Callable[[], float | None],
+    runnable: bool,
+) -> tuple[dict[tuple[str, str], ProbeResult], str | None]:
+    """The functional probes on DTensor parameters, run by every rank together.
+
+    A probe writes to the sharded parameters in place (as an optimizer step does) and
+    re-runs the loss, whose forward all-gathers them. Each rerun's loss is the mean
+    of the ranks' losses (the loss of the whole batch, as the checked one), from one
+    all-reduce of two numbers; a rank whose loss_fn raises or gives a non-finite loss
+    makes the probe impossible on every rank. A rank that fails inside its forward,
+    before FSDP2's own collectives, holds the others there until the process
+    group's timeout; deadweight's collective then fails within its own.
+    """
+
+    def rerun() -> float | None:
+        distributed.fsdp2_reshard(model)
+        try:
+            mine = local_rerun()
+        finally:
+            distributed.fsdp2_reshard(model)
+        return shards.mean(mine, "check: probe loss")
+
+    try:
+        return invariance.probe(with_grad, stats, loss, loss_eps, rerun, runnable=runnable)
+    except CollectiveError as exc:
+        # The ranks no longer agree on which probe comes next: drop them all.
+        return {}, f"functional probes stopped: {exc}"
+
+
+# Per parameter: got a gradient, reaches the loss, then the five sums of
+# `invariance.grad_stats_from_sums`.
+_SHARD_COLUMNS = 7
+
+
+@torch.no_grad()
+def _sum_over_shards(
+    shards: distributed.Shards,
+    trainable: list[tuple[str, nn.Parameter]],
+    has_grad: dict[int, bool],
+    reached: set[int],
+    loss: float,
+    backward_failed: bool,
+) -> tuple[float, dict[str, GradStats], bool]:
+    """Whole-parameter statistics from every rank's local shards, in one collective.
+
+    Every rank sends a row for every trainable parameter, also those without a
+    gradient or with an empty local shard (a shape-[1] scalar on 3 ranks), so all
+    ranks enter the same collective with the same shape. `has_grad` and `reached`
+    are updated in place to "on any rank" (FSDP2 reduce-scatters gradients, so a
+    gradient on one rank is a gradient everywhere); the loss becomes the mean over
+    the ranks, the loss of the whole batch, and `backward_failed` "on any rank".
+    """
+    world = shards.ranks.world_size if shards.ranks is not None else 1
+    rows = torch.zeros(len(trainable) + 1, _SHARD_COLUMNS, dtype=torch.float64)
+    for k, (_, p) in enumerate(trainable):
+        weight = distributed.share_of_sum(p, world)
+        rows[k, 0] = float(has_grad.get(id(p), False))
+        rows[k, 1] = float(id(p) in reached)
+        theta = distributed.local_tensor(p.detach()).double()
+        g = p.grad
+        if g is not None:
+            gl = distributed.local_tensor(g.detach()).double()
+            sums = [(gl * gl).sum(), (gl * theta).sum(), gl.sum(), (theta * theta).sum()]
+            sums.append((gl != 0).sum().double())
+            rows[k, 2:7] = torch.stack(sums).cpu() * weight
+        else:
+            rows[k, 5] = (theta * theta).sum().cpu() * weight
+    rows[-1, 0] = loss / world
+    rows[-1, 1] = float(backward_failed)
+    total = shards.sum(rows, "check: gradient statistics").tolist()
+    stats: dict[str, GradStats] = {}
+    for k, (name, p) in enumerate(trainable):
+        has_grad[id(p)] = total[k][0] > 0
+        if total[k][1] > 0:
+            reached.add(id(p))
+        if has_grad[id(p)]:
+            stats[name] = invariance.grad_stats_from_sums([total[k][2:7]], [p.numel()])[0]
+    return total[-1][0], stats, total[-1][1] > 0
