@@ -22,7 +22,7 @@ MIN_SIBLINGS = 3  # fewer layers than this make no population to stand out from
 # The robust z-score above which a layer stands out (`outlier-z`) and the factor by
 # which positive values must also differ from the median (`outlier-min-factor`) are
 # configurable; deadweight.thresholds explains their defaults (5 and 2).
-OUTLIER_MIN_DEVIATION = 1.0  # values of mixed sign: at least one median's size away
+OUTLIER_MIN_DEVIATION = 1.0  # with an exact 0 among the magnitudes: one median's size away
 
 
 def layer_key(name: str) -> tuple[str, int] | None:
@@ -52,14 +52,17 @@ def homologous_groups(names: Iterable[str]) -> dict[str, list[tuple[int, str]]]:
 def robust_outlier(values: list[float]) -> tuple[int, float] | None:
     """(index, robust z) of the single most extreme value, if it is an outlier.
 
-    Positive quantities (RMS, gains, most scalars) are compared on a log scale, where
+    Magnitudes are compared, not signs: a zero-initialised gate (ReZero's alpha) that
+    Adam moved to -0.06 in two layers and +0.06 in a third is three alike layers.
+    Nonzero magnitudes (RMS, gains, most scalars) are compared on a log scale, where
     0.13 among ~1.0 is as far out as 8 among ~1.0, and must differ from the median
-    by a factor of 2 or more; values of mixed sign by at least one median's size.
+    by a factor of 2 or more; with an exact zero among them, linearly, by at least
+    one median's size.
     """
     if len(values) < 3 or any(not math.isfinite(v) for v in values):
         return None
-    positive = all(v > 0 for v in values)
-    xs = [math.log(v) for v in values] if positive else values
+    positive = all(v != 0 for v in values)
+    xs = [math.log(abs(v)) for v in values] if positive else [abs(v) for v in values]
     median = statistics.median(xs)
     deviations = [abs(x - median) for x in xs]
     mad = statistics.median(deviations)

@@ -126,11 +126,11 @@ class Thresholds:
     outlier_min_factor: float = _threshold(
         2.0,
         ("DW307", "DW402"),
-        "An outlier of positive values must also differ from the layers' median by at "
+        "An outlier must also differ in magnitude from the layers' median by at "
         "least this factor (x2 or x1/2 by default).",
         "With tightly clustered layers (a small MAD) a 20% difference already has a large "
-        "z-score; a factor of 2 is what makes a layer stand out in practice. Values of "
-        "mixed sign must instead lie one median's size away.",
+        "z-score; a factor of 2 is what makes a layer stand out in practice. With an "
+        "exact 0 among the values, the outlier must instead lie one median's size away.",
     )
     trend_min_saves: int = _threshold(
         4,

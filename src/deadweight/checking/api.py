@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from deadweight import wrappers
+from deadweight.checking import random_skips
 from deadweight.checking.check_stats import GradFlowStats
 from deadweight.checking.grad_flow import measure_grad_flow
 from deadweight.config import ConfigLike, applies_settings
@@ -90,8 +91,16 @@ def check(
     # Distributed: one call before measuring, one after (`_combine_ranks`).
     with distributed.layout_for_check(model) as layout, _eager(), wrappers.own_backward(model):
         # FSDP2: statistics are summed over the local shards inside the measurement.
-        stats = measure_grad_flow(
-            wrappers.user_model(model), loss_fn, optimizer, shards=layout.shards
+        user_model = wrappers.user_model(model)
+
+        def measure() -> GradFlowStats:
+            return measure_grad_flow(user_model, loss_fn, optimizer, shards=layout.shards)
+
+        # Sharded ranks run one forward together: they cannot redraw on their own.
+        stats = (
+            random_skips.measure_over_draws(measure, user_model, loss_fn)
+            if layout.shards is None and isinstance(user_model, nn.Module)
+            else measure()
         )
     findings = [f for r in rules_consuming(GradFlowStats) for f in r.judge(stats)]
     trainable = [p for p in stats.params if p.trainable]

@@ -245,9 +245,23 @@ CUT_KINDS = {
     "custom-op-no-autograd": "is a torch.library.custom_op with no register_autograd: backward through it raises",
     "module-cut": "returned outputs without grad_fn although its inputs or parameters require grad",
     "never-ran": "never ran in this forward",
+    "skipped-at-random": "was skipped at random in this forward (LayerDrop, stochastic depth)",
     "output-unused": "ran, but its output never reaches the loss",
     "loss-no-grad-fn": "has no grad_fn, so backward cannot reach any parameter",
 }
+
+
+@dataclass(frozen=True)
+class RandomSkip:
+    """A module that sat out a forward by chance: it ran in other random draws."""
+
+    module: str
+    module_type: str
+    params: tuple[str, ...]  # trainable parameters under it
+    ran: int  # forwards (of `draws`) in which it ran
+    draws: int  # forwards looked at: the checked one and the redraws
+    in_measured: bool  # it sat out the forward the report is about
+    option: str | None  # the setting that skips it ("layerdrop=0.1"), when known
 
 
 @dataclass(frozen=True)
@@ -284,12 +298,19 @@ class GradFlowStats:
     # on their way, or the pass off); only these get the numerical screens.
     unstructured: frozenset[str] = frozenset()
     structure_note: str | None = None
+    # Parameters with an exactly zero gradient -> the zero-initialised gates that
+    # multiply the branch they feed (ReZero's alpha, LoRA's B; checking/gates.py),
+    # the one nearest the loss first.
+    gated_by: dict[str, tuple[str, ...]] = field(default_factory=dict)
     loss_eps: float = float(torch.finfo(torch.float32).eps)
     optimizer_facts: OptimizerFacts | None = None
     # Parameters whose values a forward run by the check changed (and whether they
     # were put back): a forward that writes `.data` changes the model every step.
     param_writes: list[ParamWrite] = field(default_factory=list)
     state_note: str | None = None  # what of the model's state could not be put back
+    # Modules skipped at random (LayerDrop) in the checked forward or the one reported
+    # (checking/random_skips.py), by path.
+    random_skips: dict[str, RandomSkip] = field(default_factory=dict)
 
     def param(self, name: str) -> ParamInfo:
         return self._by_name[name]

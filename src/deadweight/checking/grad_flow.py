@@ -20,6 +20,7 @@ from torch import nn
 
 from deadweight import autograd_graph, param_roles
 from deadweight.checking import cancellation, invariance, sharded_flow
+from deadweight.checking import gates as gates_module
 from deadweight.checking.cancellation import StructureTracker
 from deadweight.checking.check_stats import (
     Cancellation,
@@ -248,6 +249,7 @@ class _Probed:
     probes: dict[tuple[str, str], ProbeResult]
     probe_note: str | None
     structural: _Structural
+    gated_by: dict[str, tuple[str, ...]] = field(default_factory=dict)  # zero gradient -> gates
 
 
 def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probed:
@@ -279,7 +281,22 @@ def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probe
     )
     screened = [(n, p) for n, p in with_grad if n in structural.unstructured]
     probes, note = invariance.probe(screened, stats, value, loss_eps, rerun, runnable=runnable)
-    return _Probed(value, loss_eps, stats, probes, note, structural)
+    return _Probed(
+        value, loss_eps, stats, probes, note, structural, _gates_at_init(loss, with_grad, stats)
+    )
+
+
+def _gates_at_init(
+    loss: torch.Tensor, with_grad: list[tuple[str, nn.Parameter]], stats: dict[str, GradStats]
+) -> dict[str, tuple[str, ...]]:
+    """Parameters with an exactly zero gradient -> the zero-initialised gate before them."""
+    silent = {id(p): n for n, p in with_grad if stats[n].exact_zero}
+    if not silent:
+        return {}
+    live = [(n, p) for n, p in with_grad if not stats[n].exact_zero]  # a gate learns
+    zero = gates_module.zero_valued(live)
+    gates = {id(p): n for n, p in live if id(p) in zero}
+    return gates_module.gated_by(loss, gates, silent)
 
 
 def _assemble(
@@ -309,6 +326,7 @@ def _assemble(
         influencing=structural.influencing,
         unstructured=structural.unstructured,
         structure_note=structural.note,
+        gated_by=probed.gated_by,
         loss_eps=probed.loss_eps,
         optimizer_facts=optimizer_facts(model, optimizer) if optimizer is not None else None,
         model=type(model).__name__,
@@ -586,7 +604,10 @@ def _module_cuts(
                 params = params_under(path)
                 if params:
                     site = definition_site(module)
-                    cuts.append(Cut("never-ran", type(module).__name__, site, path, params))
+                    detail = _routing(model, path, ran)
+                    cuts.append(
+                        Cut("never-ran", type(module).__name__, site, path, params, detail=detail)
+                    )
             continue
         record = ran.get(path)
         if record is None:
@@ -604,6 +625,39 @@ def _module_cuts(
                     Cut("module-cut", type(module).__name__, record.call_site, path, params)
                 )
     return cuts
+
+
+def _routing(model: nn.Module, path: str, ran: dict[str, Any]) -> str:
+    """For a module in a ModuleList / ModuleDict whose siblings ran (the experts of a
+    mixture): how many rows each sibling ran on, and the router, a Linear beside
+    the container with one output per member. "" when it is not that layout."""
+    container_path, _, _ = path.rpartition(".")
+    modules = dict(model.named_modules())
+    container = modules.get(container_path)
+    if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+        return ""
+    members = [f"{container_path}.{k}" for k, _ in container.named_children()]
+    counts = [(m, ran[m].rows) for m in members if m in ran]
+    if not counts:
+        return ""
+    leaf = container_path.rpartition(".")[2]
+    shown = [f"{leaf}.{m.rpartition('.')[2]}" for m, _ in counts]
+    routed = ", ".join(
+        f"{name} ran on {rows} rows" if i == 0 else f"{name} on {rows}"
+        for i, (name, (_, rows)) in enumerate(zip(shown, counts, strict=True))
+    )
+    text = f"routing: {routed}, {leaf}.{path.rpartition('.')[2]} on none"
+    block_path = container_path.rpartition(".")[0]
+    block = modules.get(block_path) if block_path or container_path else None
+    if block is not None:
+        routers = [
+            name
+            for name, child in block.named_children()
+            if isinstance(child, nn.Linear) and child.out_features == len(container)
+        ]
+        if len(routers) == 1:
+            text += f"; router `{routers[0]}`"
+    return text
 
 
 def _prefixes(path: str) -> list[str]:

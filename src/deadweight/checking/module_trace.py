@@ -28,6 +28,7 @@ class ModuleCalls:
 
     name: str
     calls: int = 0
+    rows: int = 0  # leading-dim size of the first tensor input, summed over calls (tokens routed)
     call_site: Site | None = None
     # grad_fn nodes of outputs that required grad, over all calls.
     output_nodes: list[Any] = field(default_factory=list, repr=False)
@@ -74,6 +75,9 @@ class ModuleTracer:
         if record is None:
             record = self.calls[name] = ModuleCalls(name, call_site=user_site(sys._getframe(1)))
         record.calls += 1
+        first = next(iter(tensors_in(args)), None)
+        if first is not None and first.dim() > 0:
+            record.rows += int(first.shape[0])
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._stack:

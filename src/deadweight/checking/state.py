@@ -332,6 +332,24 @@ def _restore_buffers(snapshot: _BufferSnapshot) -> None:
     set_versions([b for b, _ in restored], [v for _, v in restored])
 
 
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Inside: torch's, Python's and NumPy's random state drawn from `seed`; after,
+    the state they had before."""
+    saved = _rng_state()
+    # Not torch.manual_seed: with CUDA not yet initialised it queues a seeding that
+    # would run, after the check, when the user's process first touches the GPU.
+    torch.random.default_generator.manual_seed(seed)
+    if "cuda" in saved:
+        torch.cuda.manual_seed_all(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        _set_rng_state(saved)
+
+
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),

@@ -175,6 +175,7 @@ def test_layer_outlier_incident_table() -> None:
         [1.0] * 8,  # at initialisation
         [1.0, 1.1, 0.9, 1.6, 1.2, 0.95, 1.05, 1.0],  # spread, nothing 2x away
         [0.02, -0.01, 0.015, 0.03, -0.02, 0.01],  # mixed signs near 0 (zero-init scalars)
+        [-0.0601, -0.0609, 0.0610],  # ReZero's alphas after 50 Adam steps: signs differ
     ],
 )
 def test_layer_outlier_quiet(values: list[float]) -> None:
@@ -183,6 +184,9 @@ def test_layer_outlier_quiet(values: list[float]) -> None:
 
 def test_outlier_threshold_is_what_the_docs_say() -> None:
     assert robust_outlier([1.0, 1.0, 1.0, 2.1]) is not None
+    assert robust_outlier([-0.5, 0.3, -0.7, 0.4, 0.6, 0.5, 56.25]) is not None  # magnitudes
+    assert robust_outlier([-1.0, 1.0, 1.0, -1.0]) is None  # a sign alone sets none apart
+    assert robust_outlier([0.0, 0.0, 0.0, 0.5]) is not None  # linear beside an exact 0
     assert robust_outlier([1.0, 1.0, 1.0, 1.9]) is None  # under 2x
     assert robust_outlier([1.0, 1.0, 1.0, 0.4]) is not None  # 2.5x below
 

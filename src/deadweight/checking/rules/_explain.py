@@ -9,7 +9,7 @@ from deadweight.checking.check_stats import Cut, GradFlowStats, display_path
 from deadweight.findings import Location
 
 BACKWARD_KINDS = frozenset({"custom-op-no-autograd", "dropped-in-backward", "no-autograd-kernel"})
-MODULE_KINDS = frozenset({"never-ran", "output-unused", "module-cut"})
+MODULE_KINDS = frozenset({"never-ran", "skipped-at-random", "output-unused", "module-cut"})
 
 
 def _tier(cut: Cut) -> int:
@@ -28,7 +28,7 @@ def _tier(cut: Cut) -> int:
         return 1
     if cut.kind not in MODULE_KINDS:
         return 2 if cut.flows_to_loss else 5
-    return {"never-ran": 3, "output-unused": 4, "module-cut": 6}[cut.kind]
+    return {"never-ran": 3, "skipped-at-random": 3, "output-unused": 4, "module-cut": 6}[cut.kind]
 
 
 @dataclass(frozen=True)
@@ -62,15 +62,21 @@ class Explanation:
 
 
 def explain(stats: GradFlowStats) -> Explanation:
+    """Which cuts explain each parameter without a gradient. A parameter whose best
+    explanation is a module skipped at random (LayerDrop) is left out: it gets
+    gradients on other steps, and DW110 reports it."""
     missing = [p.name for p in stats.no_grad_params]
     chosen: dict[str, list[Cut]] = {}
-    for name in missing:
+    for name in list(missing):
         candidates = [c for c in stats.cuts if name in c.params]
         if not candidates:
             chosen[name] = []
             continue
         best = min(_tier(c) for c in candidates)
         picked = [c for c in candidates if _tier(c) == best]
+        if any(c.kind == "skipped-at-random" for c in picked):
+            missing.remove(name)
+            continue
         if picked[0].kind in ("never-ran", "output-unused"):
             # the outermost module is where the output was dropped or the call skipped
             top = min(len((c.module or "").split(".")) for c in picked)

@@ -143,7 +143,9 @@ def zero_gradient(stats: GradFlowStats) -> Iterator[Finding]:
     Finds parameters whose gradient is present but carries no signal:
 
     - exactly zero in every entry (info: at step 0 this is what zero-initialised
-      designs give the layers next to them, such as LoRA's A matrix while B = 0);
+      designs give the layers next to them, such as LoRA's A matrix while B = 0;
+      the finding names the gate when the graph shows a zero parameter multiplying
+      the branch, as ReZero's alpha, adaLN-Zero's modulation or LoRA's B);
     - nonzero but below the noise floor (warning), for parameters whose path to the
       loss goes through a call deadweight cannot see into (a custom op, an
       `autograd.Function`). The floor is where moving the parameter by its own size
@@ -177,6 +179,9 @@ def zero_gradient(stats: GradFlowStats) -> Iterator[Finding]:
     - `params`: per parameter `grad_norm`, `grad_dot_param` (⟨g, θ⟩), `grad_sum` (Σg),
       `param_norm`, and `pinned` / `moved_since_pin` for a pinned one.
     - `omitted`: parameters left out of `params` (it holds at most 20).
+    - `gated_by`: for exactly zero gradients, the zero-initialised parameters that
+      multiply the branch they feed (the one nearest the loss first), when the
+      graph shows them.
     """
     found = _found(stats, ("noise", "zero"))
     loss = stats.loss.value
@@ -191,16 +196,39 @@ def zero_gradient(stats: GradFlowStats) -> Iterator[Finding]:
             evidence=_evidence(hard, loss, stats),
         )
     zeros = [i for i in found if i.kind == "zero"]
-    if zeros:
+    behind: dict[tuple[str, ...], list[Ineffective]] = {}
+    for i in zeros:
+        behind.setdefault(stats.gated_by.get(i.param.name, ()), []).append(i)
+    for gates, members in sorted(behind.items(), key=lambda kv: not kv[0]):
+        evidence = _evidence(members, loss)
+        if gates:
+            evidence["gated_by"] = list(gates)
+            more = f" (and {len(gates) - 1} more such gates)" if len(gates) > 1 else ""
+            message = (
+                f"{len(members)} parameter(s) get an exactly zero gradient at this step "
+                f"({_names(members)}): they feed a branch multiplied by {gates[0]}{more}, "
+                "a zero-initialised gate (ReZero, adaLN-Zero, LoRA's B = 0) that gets a "
+                "gradient of its own, so they start learning once it moves."
+            )
+            fix = (
+                "Nothing to do if the zero init is the design; `deadweight watch` shows them move."
+            )
+        else:
+            message = (
+                f"{len(members)} parameter(s) get an exactly zero gradient at this step "
+                f"({_names(members)}); expected next to zero-initialised layers, a bug otherwise."
+            )
+            fix = (
+                "If nothing next to them is zero-initialised, find the zero factor; "
+                "`deadweight watch` shows whether they ever move."
+            )
         yield get_rule("DW103").finding(
-            f"{len(zeros)} parameter(s) get an exactly zero gradient at this step "
-            f"({_names(zeros)}); expected next to zero-initialised layers, a bug otherwise.",
-            params=[i.param.name for i in zeros],
-            location=_location(zeros),
-            evidence=_evidence(zeros, loss),
+            message,
+            params=[i.param.name for i in members],
+            location=_location(members),
+            evidence=evidence,
             severity=Severity.INFO,
-            fix="If nothing next to them is zero-initialised, find the zero factor; "
-            "`deadweight watch` shows whether they ever move.",
+            fix=fix,
         )
 
 

@@ -95,7 +95,9 @@ def no_gradient(stats: GradFlowStats) -> Iterator[Finding]:
     - `count`: how many trainable parameters get no gradient.
     - `numel`: their elements in total.
     - `in_optimizer`: whether the optimizer holds them (None without an optimizer).
-    - `explained_by`: the DW102 graph cuts behind them: `code`, `kind` of cut, `location`.
+    - `explained_by`: the DW102 graph cuts behind them: `code`, `kind` of cut, `location`,
+      and `detail` where the cut has one (for an expert no token reached: the rows
+      each sibling expert ran on, and the router).
     """
     explanation = explain(stats)
     by_cause: dict[tuple[int, ...], list[str]] = defaultdict(list)
@@ -117,7 +119,12 @@ def no_gradient(stats: GradFlowStats) -> Iterator[Finding]:
             where = "; ".join(_short_ref(g) for g in groups)
             message = f"{subject} no gradient{skipper}: the graph is cut {where}."
             evidence["explained_by"] = [
-                {"code": "DW102", "kind": g.first.kind, "location": g.location.to_dict()}
+                {
+                    "code": "DW102",
+                    "kind": g.first.kind,
+                    "location": g.location.to_dict(),
+                    **({"detail": g.first.detail} if g.first.detail else {}),
+                }
                 for g in groups
             ]
             soft = all(g.first.kind in _SOFT_KINDS for g in groups)

@@ -713,11 +713,12 @@ def layer_outlier(stats: WatchStats) -> Iterator[Finding]:
     ## What it does
     Groups parameters whose names are equal up to a layer index (`layers.{i}.X`,
     three layers or more) and compares one number per layer: the value for
-    single-element parameters, the RMS otherwise. A layer is an outlier when its
-    robust z-score (from the median and the median absolute deviation, on a log
-    scale when all values are positive) is at least 5 and it differs from the median
-    by a factor of 2 or more (by one median's size for values of mixed sign). The finding gives the first
-    watched step at which it stood out.
+    single-element parameters, the RMS otherwise, by magnitude (a sign alone sets
+    no layer apart). A layer is an outlier when its robust z-score (from the median
+    and the median absolute deviation, on a log scale unless a value is exactly 0)
+    is at least 5 and it differs from the median by a factor of 2 or more (by one
+    median's size when a value is 0). The finding gives the first watched step at
+    which it stood out.
 
     ## Why is this bad
     Layers of one model are built alike and usually train alike. One that stands
