@@ -147,6 +147,40 @@ def test_diff_different_names(tmp_path: Path) -> None:
     assert [m["name"] for m in s["top_movers"]] == ["moved"]
 
 
+def test_diff_eager_against_compiled_says_how_names_matched(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    a, b = tmp_path / "eager.safetensors", tmp_path / "compiled.safetensors"
+    save_file({n: t.clone() for n, t in model.state_dict().items()}, a)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # the rest never learned: DW401 names them unwrapped
+    save_file({n: t.clone() for n, t in torch.compile(model).state_dict().items()}, b)
+    text = dw("diff", a, b)
+    assert text.returncode == 1, text.stderr
+    assert (
+        "matched names after removing the prefix `_orig_mod.` (torch.compile) from b's 6 names"
+        in text.stdout
+    )
+    assert "5 of 5 floating-point" not in text.stdout and "5 of 6 floating-point" in text.stdout
+    assert "added:" not in text.stdout and "DW406" not in text.stdout
+    data = json.loads(dw("diff", a, b, "--format", "json").stdout)
+    assert data["subject"]["compared"] == 6 and data["subject"]["matched"] == 6
+    assert data["subject"]["renamed"][0]["prefix"] == "_orig_mod."
+    [dw401] = data["findings"]
+    assert "2.weight" in dw401["params"] and not any("_orig_mod" in p for p in dw401["params"])
+
+
+def test_diff_of_unrelated_checkpoints_is_not_silent(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"shared": torch.ones(2), **{f"enc.{i}.weight": torch.ones(3) for i in range(4)}}, a)
+    save_file(
+        {"shared": torch.ones(2) * 2, **{f"dec.{i}.weight": torch.ones(3) for i in range(4)}}, b
+    )
+    result = dw("diff", a, b)
+    assert result.returncode == 1, result.stderr
+    assert "DW406" in result.stdout and "no findings" not in result.stdout
+
+
 def test_diff_unreadable_side(tmp_path: Path) -> None:
     good = tmp_path / "step-0.safetensors"
     save_file({"w": torch.ones(2)}, good)

@@ -391,3 +391,23 @@ def test_a_fifo_input_is_refused_without_blocking(tmp_path, complete_log):
         assert result.returncode == 2
         assert f"{fifo} is not a regular file" in result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_a_saved_diff_with_an_infinite_change_is_read_back(capsys, tmp_path):
+    # A tensor that was all zeros (a fresh bias) changes infinitely; JSON writes inf as
+    # null, and reading the report back rejected it as a wrong type.
+    import torch
+    from safetensors.torch import save_file
+
+    a, b = tmp_path / "step-0.safetensors", tmp_path / "step-1.safetensors"
+    save_file({"fc.bias": torch.zeros(3), "fc.weight": torch.ones(3)}, a)
+    save_file({"fc.bias": torch.ones(3), "fc.weight": torch.full((3,), 2.0)}, b)
+    saved = tmp_path / "diff.json"
+    saved.write_text(deadweight.diff_checkpoints(str(a), str(b)).to_json())
+    assert json.loads(saved.read_text())["subject"]["top_movers"][0]["relative_change"] is None
+    page = tmp_path / "r.html"
+    code = main(["report", str(saved), "-o", str(page)])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    assert "not a valid deadweight report" not in err
+    assert "fc.bias" in page.read_text()

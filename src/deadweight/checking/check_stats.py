@@ -212,7 +212,8 @@ class Cut:
     """A candidate explanation for parameters that got no gradient.
 
     kind: how the graph was cut (see `CUT_KINDS`); op: the call; site: the user's
-    line; module: the module path running at the time; params: trainable
+    line (for a no-grad region, the line that entered it); module: the module path
+    running at the time; params: trainable
     parameters upstream of the cut; flows_to_loss: whether the cut's result was seen
     reaching the loss (None when that does not apply to this kind).
     """
@@ -225,6 +226,9 @@ class Cut:
     flows_to_loss: bool | None = None
     detail: str = ""
     caller: Site | None = None
+    # Where the op ran, when `site` is elsewhere: a cut under no_grad is shown at the
+    # user's line that entered the region, and the op inside the callee is this.
+    op_site: Site | None = None
 
 
 CUT_KINDS = {

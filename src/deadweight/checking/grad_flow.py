@@ -225,6 +225,7 @@ def _collect_cuts(run: _Run, traced: _Traced, flow: _Flow) -> list[Cut]:
                     params,
                     flows_to_loss=event.index in loss_taint,
                     caller=event.caller,
+                    op_site=event.op_site,
                 )
             )
     # A module output that feeds a cut whose result reaches the loss was not dropped:

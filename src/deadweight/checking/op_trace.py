@@ -10,6 +10,13 @@ back without a graph while its inputs, or the parameters used inside it, needed 
 (`ctx.mark_non_differentiable`, reentrant checkpointing with no input that requires
 grad) is a cut event at the line that applied it.
 
+Grad mode is global, so an op that runs without grad cannot tell which line turned it
+off. While tracing, the grad-mode context managers (`no_grad`, `enable_grad`,
+`set_grad_enabled`, `inference_mode`) note the frame that enters each region, and a
+cut under no_grad is placed at the user's line inside the region that is outermost
+(the `with torch.no_grad():` block's line in the user's forward); the op inside the
+module called there is kept as the detail (`op_site`).
+
 Cut events are candidates. What a cut event's *output* feeds is followed by taint:
 tensors (and Python values from `.item()` / `.tolist()`) derived from it carry its id,
 so the caller can tell a cut whose value reaches the loss from one used for logging.
@@ -19,8 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -32,7 +41,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from deadweight.checking.cancellation import COUNTED, StructureTracker
 from deadweight.checking.check_stats import Site
-from deadweight.checking.sites import site_of, user_frame, user_site
+from deadweight.checking.sites import (
+    caller_frame,
+    outermost_user_frame,
+    site_of,
+    user_frame,
+    user_site,
+)
 
 Tensor = torch.Tensor
 _TensorBase = torch._C.TensorBase
@@ -68,6 +83,10 @@ class CutEvent:
     roots: list[Any] = field(repr=False)
     grad_enabled: bool = True
     caller: Site | None = None  # the user frame that called the function holding `site`
+    # Where the op itself ran, when `site` is elsewhere: for an op under no_grad /
+    # inference_mode, `site` is the user's line that entered the region (the
+    # `with torch.no_grad():` block's line), `op_site` the line inside the callee.
+    op_site: Site | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +96,21 @@ class NodeOrigin:
     op: str
     site: Site | None
     module: str | None
+
+
+@dataclass
+class _GradRegion:
+    """A `with torch.no_grad()` (enable_grad, set_grad_enabled, inference_mode) open now."""
+
+    context: object
+    frame: FrameType  # the frame that entered it: the `with` line's, or the decorator's
+    grad_enabled: bool  # grad mode inside (grad mode is per thread, and so are regions)
+    thread: int
+
+
+# The grad-mode context managers whose entries the tracer notes. A decorated function
+# (`@torch.no_grad()`) enters a fresh one on each call, from torch's wrapper.
+_GRAD_MODES = (torch.no_grad, torch.enable_grad, torch.set_grad_enabled, torch.inference_mode)
 
 
 @dataclass
@@ -123,20 +157,29 @@ class OpTracer(TorchFunctionMode):
         self._ptr_taint: dict[int, frozenset[int]] = {}
         self._functions: list[_FunctionCall] = []
         self._saved_apply: Any = None
+        self._regions: list[_GradRegion] = []
+        self._saved_modes: list[tuple[type, str, Any]] = []
 
     # -- context -----------------------------------------------------------------
     def __enter__(self) -> OpTracer:
         self._patch_function_apply()
         try:
+            self._patch_grad_modes()
             super().__enter__()
         except BaseException:
-            self._unpatch_function_apply()
+            self._unpatch()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
             super().__exit__(*exc)
+        finally:
+            self._unpatch()
+
+    def _unpatch(self) -> None:
+        try:
+            self._unpatch_grad_modes()
         finally:
             self._unpatch_function_apply()
 
@@ -187,7 +230,9 @@ class OpTracer(TorchFunctionMode):
                 event = self._record(func, roots, _kind_for_tensor_op(func, out))
                 taint = self._taint_after_cut(event, args, kwargs)
             elif out.dim() == 0:
-                self.scalar_origins[out] = (_op_name(func), user_site(), torch.is_grad_enabled())
+                # a loss computed under no_grad is shown where the region was entered
+                site = site_of(self._frames(sys._getframe())[0])
+                self.scalar_origins[out] = (_op_name(func), site, torch.is_grad_enabled())
             if taint:
                 self._taint[out] = taint
             return out
@@ -299,18 +344,91 @@ class OpTracer(TorchFunctionMode):
                 self._taint[o] = taint
         return out
 
+    # -- grad-mode regions -------------------------------------------------------
+    def _patch_grad_modes(self) -> None:
+        """Note which frame enters each grad-mode region while tracing, and when it
+        leaves: grad mode is global, so the op that runs without grad cannot tell
+        which line turned it off."""
+        tracer = self
+        for cls in _GRAD_MODES:
+            enter, exit_ = cls.__enter__, cls.__exit__
+            self._saved_modes += [(cls, "__enter__", enter), (cls, "__exit__", exit_)]
+
+            def entered(ctx: Any, _enter: Any = enter) -> Any:
+                result = _enter(ctx)
+                tracer._regions.append(
+                    _GradRegion(
+                        ctx, sys._getframe(1), torch.is_grad_enabled(), threading.get_ident()
+                    )
+                )
+                return result
+
+            def exited(ctx: Any, *exc: Any, _exit: Any = exit_) -> Any:
+                for k in range(len(tracer._regions) - 1, -1, -1):
+                    if tracer._regions[k].context is ctx:
+                        del tracer._regions[k]
+                        break
+                return _exit(ctx, *exc)
+
+            cls.__enter__ = entered  # type: ignore[method-assign]
+            cls.__exit__ = exited  # type: ignore[method-assign]
+
+    def _unpatch_grad_modes(self) -> None:
+        while self._saved_modes:
+            cls, name, original = self._saved_modes.pop()
+            setattr(cls, name, original)
+        self._regions.clear()  # they hold frames
+
+    def _no_grad_entry(self) -> FrameType | None:
+        """The frame that turned grad off, when a region open now did: the outermost of
+        the no-grad regions nested innermost (a `no_grad` inside a `no_grad` changes
+        nothing; one inside `enable_grad` does)."""
+        entry = None
+        thread = threading.get_ident()
+        for region in reversed(self._regions):
+            if region.thread != thread:
+                continue
+            if region.grad_enabled:
+                break
+            entry = region.frame
+        return entry
+
+    def _sites(self, start: FrameType) -> tuple[Site | None, Site | None, Site | None]:
+        """Where a cut is shown (`site`), who called that function (`caller`), and
+        where the op ran when that is elsewhere (`op_site`).
+
+        Under no_grad / inference_mode the site is the user's line inside the region
+        that is outermost: the `with torch.no_grad():` block's line in the user's
+        forward, not the innocent `F.layer_norm` line of the module it calls there;
+        for a function decorated with `@torch.no_grad()`, its own line. Otherwise, and
+        when grad went off outside any region seen (`torch.set_grad_enabled(False)` as
+        a call), the innermost user frame."""
+        frame, inner = self._frames(start)
+        caller = site_of(caller_frame(frame)) if frame is not None else None
+        op_site = site_of(inner) if frame is not inner else None
+        return site_of(frame), caller, op_site
+
+    def _frames(self, start: FrameType) -> tuple[FrameType | None, FrameType | None]:
+        """The frame a cut is shown at (see `_sites`), and the innermost user frame."""
+        inner = user_frame(start)
+        entry = None if torch.is_grad_enabled() else self._no_grad_entry()
+        if entry is None:
+            return inner, inner
+        return outermost_user_frame(start, entry) or inner, inner
+
     # -- helpers -----------------------------------------------------------------
     def _record(self, func: Any, roots: list[Any], kind: str, op: str | None = None) -> CutEvent:
-        frame = user_frame(sys._getframe(1))
+        site, caller, op_site = self._sites(sys._getframe(1))
         event = CutEvent(
             index=len(self.events),
             kind=kind,
             op=op or _op_name(func),
-            site=site_of(frame),
+            site=site,
             module=self._current_module(),
             roots=roots,
             grad_enabled=torch.is_grad_enabled(),
-            caller=site_of(user_frame(frame.f_back)) if frame is not None else None,
+            caller=caller,
+            op_site=op_site,
         )
         self.events.append(event)
         return event

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from types import FrameType
 
@@ -37,12 +38,67 @@ def user_frame(start: FrameType | None = None) -> FrameType | None:
     return None
 
 
+def is_user_frame(frame: FrameType) -> bool:
+    return not _is_internal(frame.f_code.co_filename)
+
+
+def outermost_user_frame(start: FrameType | None, entry: FrameType) -> FrameType | None:
+    """The outermost user frame from `start` outward to `entry` (a frame on the same
+    stack, included): for an op run in a no-grad region, the frame inside the region
+    that the user's code entered it from. None when `entry` is not on the stack."""
+    found = None
+    frame = start
+    while frame is not None:
+        if is_user_frame(frame):
+            found = frame
+        if frame is entry:
+            return found
+        frame = frame.f_back
+    return None
+
+
+def caller_frame(frame: FrameType) -> FrameType | None:
+    """The user frame that called `frame`'s function. A torch.compile resume function
+    runs the rest of a function after a graph break, called from that same function:
+    its caller is the function's caller."""
+    caller = user_frame(frame.f_back)
+    if caller is not None and _resumed(frame) and _same_function(caller, frame):
+        caller = user_frame(caller.f_back)
+    return caller
+
+
+# torch.compile names the function that resumes `forward` after a graph break at line 75
+# `torch_dynamo_resume_in_forward_at_75` (torch/_dynamo/resume_execution.py); its
+# qualname keeps the owner: `Block.torch_dynamo_resume_in_forward_at_75`.
+_RESUME = re.compile(r"torch_dynamo_resume_in_(?P<name>.+)_at_\d+$")
+
+
+def function_name(frame: FrameType) -> str:
+    """`Block.forward`: the qualified name (3.11+; the bare name before), and for a
+    torch.compile resume function the name of the user's function it resumes."""
+    code = frame.f_code
+    # co_qualname (3.11+) says `FusedRMSNorm.forward` where co_name only says `forward`.
+    name: str = getattr(code, "co_qualname", code.co_name)
+    owner, _, leaf = name.rpartition(".")
+    resumed = _RESUME.match(leaf)
+    if resumed is None:
+        return name
+    return f"{owner}.{resumed['name']}" if owner else resumed["name"]
+
+
+def _resumed(frame: FrameType) -> bool:
+    return _RESUME.match(frame.f_code.co_name) is not None
+
+
+def _same_function(a: FrameType, b: FrameType) -> bool:
+    return a.f_code.co_filename == b.f_code.co_filename and function_name(a) == function_name(b)
+
+
 def site_of(frame: FrameType | None) -> Site | None:
     if frame is None:
         return None
-    code = frame.f_code
-    # co_qualname (3.11+) says `FusedRMSNorm.forward` where co_name only says `forward`.
-    return Site(code.co_filename, frame.f_lineno, getattr(code, "co_qualname", code.co_name))
+    # A resume function's lines are the user's function's own: only its name is dynamo's.
+    return Site(frame.f_code.co_filename, frame.f_lineno, function_name(frame))
 
 
 def user_site(start: FrameType | None = None) -> Site | None:

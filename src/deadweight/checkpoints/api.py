@@ -12,11 +12,13 @@ Nothing is ever written next to the checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from deadweight.checkpoints import checkpoint_scan as scan
 from deadweight.checkpoints.checkpoint_scan import Progress
+from deadweight.checkpoints.name_matching import describe
 from deadweight.checkpoints.readers.notes import collecting_notes
 from deadweight.checkpoints.scan_stats import DiffStats, InspectStats, TrendStats
 from deadweight.config import ConfigLike, applies_settings
@@ -108,7 +110,13 @@ def diff_checkpoints(
     thresholds: Thresholds | Mapping[str, Any] | None = None,
 ) -> Report:
     """Tensors bitwise unchanged between two checkpoints (DW401), the top movers, and
-    tensors added, removed or reshaped."""
+    tensors added, removed or reshaped; checkpoints that share under half their tensors
+    (DW406).
+
+    Names are matched across the prefixes wrappers add (torch.compile's `_orig_mod.`,
+    DDP's `module.`, FSDP's `_fsdp_wrapped_module.`, activation checkpointing's
+    `_checkpoint_wrapped_module.`) where removing them matches more tensors;
+    `subject["renamed"]` and `subject["names_note"]` say which were removed."""
     with collecting_notes() as notes:
         stats = scan.diff_checkpoints(a, b, unsafe_pickle=unsafe_pickle)
     movers = sorted(
@@ -132,6 +140,13 @@ def diff_checkpoints(
         "reshaped": [{"name": n, "a": sa, "b": sb} for n, sa, sb in stats.reshaped],
         "retyped": [{"name": n, "a": ta, "b": tb} for n, ta, tb in stats.retyped],
         "not_compared": stats.listed_only,
+        # How names were matched: each file's count, those found in both, and the
+        # wrapper prefixes (torch.compile's `_orig_mod.`, DDP's `module.`) taken off.
+        "tensors_a": stats.names_a,
+        "tensors_b": stats.names_b,
+        "matched": stats.matched,
+        "renamed": [dataclasses.asdict(r) for r in stats.renamed],
+        "names_note": describe(stats.renamed) if stats.renamed else None,
         "errors": stats.errors,
         "warnings": notes,
     }

@@ -26,6 +26,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from deadweight.checkpoints import native_reduce
+from deadweight.checkpoints.name_matching import match_names
 from deadweight.checkpoints.quant_stream import (
     checkpoint_source,
     stream_joint_risk,
@@ -257,10 +258,17 @@ def diff_checkpoints(a: str, b: str, *, unsafe_pickle: bool = False) -> DiffStat
 
 
 def _diff_entries(stats: DiffStats, left: Checkpoint, right: Checkpoint) -> None:
-    la = {e.name: e for e in left.entries()}
-    rb = {e.name: e for e in right.entries()}
-    stats.removed = [n for n in la if n not in rb]
-    stats.added = [n for n in rb if n not in la]
+    entries_a, entries_b = left.entries(), right.entries()
+    stats.names_a, stats.names_b = len(entries_a), len(entries_b)
+    # An eager save and a compiled (or DDP, FSDP) one name the same tensors differently.
+    names = match_names([e.name for e in entries_a], [e.name for e in entries_b])
+    stats.renamed = names.removed
+    la = {names.a[e.name]: e for e in entries_a}
+    rb = {names.b[e.name]: e for e in entries_b}
+    # What is in one file only is named as that file names it.
+    stats.removed = [e.name for n, e in la.items() if n not in rb]
+    stats.added = [e.name for n, e in rb.items() if n not in la]
+    stats.matched = len(la.keys() & rb.keys())
     for name, ea in la.items():
         eb = rb.get(name)
         if eb is None:

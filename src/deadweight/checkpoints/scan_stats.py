@@ -38,10 +38,21 @@ class TensorDiff:
     max_abs_change: float
 
 
+@dataclass(frozen=True)
+class PrefixRemoved:
+    """A wrapper's prefix taken off one side's names so that they match the other's."""
+
+    side: str  # "a" or "b"
+    prefix: str  # `_orig_mod.`
+    by: str  # what adds it: `torch.compile`
+    names: int  # how many of that side's names it was taken off
+
+
 @dataclass
 class DiffStats:
     a: str
     b: str
+    # Tensors are named as they are compared: after `renamed`, the same in both files.
     tensors: dict[str, TensorDiff] = field(default_factory=dict)
     added: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
@@ -49,6 +60,12 @@ class DiffStats:
     retyped: list[tuple[str, str, str]] = field(default_factory=list)
     listed_only: list[str] = field(default_factory=list)  # int/bool tensors: not compared
     errors: list[str] = field(default_factory=list)
+    renamed: list[PrefixRemoved] = field(default_factory=list)
+    # How many tensors each file lists, and how many names both share (after
+    # `renamed`), compared or not; all 0 unless both files were read.
+    names_a: int = 0
+    names_b: int = 0
+    matched: int = 0
 
 
 @dataclass

@@ -209,7 +209,9 @@ _SUBJECT_KEYS: dict[str, tuple[str, Any]] = {
             and all(
                 isinstance(m, dict)
                 and isinstance(m.get("name"), str)
-                and type(m.get("relative_change")) in (int, float)
+                # null: an infinite change (a tensor that was all zeros), as JSON writes it
+                and "relative_change" in m
+                and (m["relative_change"] is None or type(m["relative_change"]) in (int, float))
                 for m in v
             )
         ),

@@ -172,6 +172,8 @@ def _subject_line(section: Section) -> str:
         parts.append(", ".join(map(str, s["checkpoints"])))
     if section.report.kind == "diff":
         parts.append(f"{s.get('a')} → {s.get('b')}, {s.get('compared')} tensors compared")
+        if s.get("names_note"):
+            parts.append(str(s["names_note"]))
     if s.get("scheme"):
         parts.append(f"scheme {s['scheme']}")
     return f" ({'; '.join(parts)})" if parts else ""

@@ -140,6 +140,8 @@ def header_parts(report: Report) -> list[str]:
         parts.append(f"loss {subject['loss']:.6g}")
     if subject.get("optimizer"):
         parts.append(f"optimizer {subject['optimizer']}")
+    if subject.get("names_note"):  # diff matched names across torch.compile's `_orig_mod.`, ...
+        parts.append(str(subject["names_note"]))
     return parts
 
 

@@ -120,6 +120,59 @@ def test_diff_change_around_a_carried_nan(tmp_path: Path) -> None:
     assert not report.by_code("DW401")
 
 
+# --- DW406 checkpoint-names-unmatched ----------------------------------------------------
+
+
+def _weights(names: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(4, 4, generator=gen) for n in names}
+
+
+def test_dw406_most_names_unmatched(tmp_path: Path) -> None:
+    # 1 of 17 tensors shared, as an eager save against a compiled one looked before
+    # names were matched across `_orig_mod.`; here no known prefix explains it
+    names = [f"layers.{i}.weight" for i in range(16)] + ["head.weight"]
+    a = _weights(names)
+    b = {("head.weight" if n == "head.weight" else f"blocks.{n}"): t + 1 for n, t in a.items()}
+    report = deadweight.diff_checkpoints(*_pair(tmp_path, a, b))
+    (found,) = report.by_code("DW406")
+    assert found.severity is deadweight.Severity.WARNING
+    ev = found.evidence
+    assert (ev["tensors_a"], ev["tensors_b"], ev["matched"]) == (17, 17, 1)
+    assert (
+        ev["only_in_a"][0] == "layers.0.weight" and ev["only_in_b"][0] == "blocks.layers.0.weight"
+    )
+    assert "Only 1 of the 17 tensors" in found.message and "no wrapper prefix" in found.message
+    assert report.failed("warning")  # not "no findings", exit 0
+
+
+def test_dw406_counts_against_the_smaller_file(tmp_path: Path) -> None:
+    # b holds a subset of a (a head dropped for fine-tuning): all of b is compared
+    a = _weights([f"layers.{i}.weight" for i in range(10)])
+    b = {n: t + 1 for n, t in list(a.items())[:3]}
+    assert not deadweight.diff_checkpoints(*_pair(tmp_path, a, b)).by_code("DW406")
+
+
+@pytest.mark.parametrize(("shared", "fires"), [(2, False), (1, True)])
+def test_dw406_half_matched_is_enough(tmp_path: Path, shared: int, fires: bool) -> None:
+    a = _weights(["w0", "w1", "w2", "w3"])
+    b = {(n if k < shared else f"other.{n}"): t + 1 for k, (n, t) in enumerate(a.items())}
+    report = deadweight.diff_checkpoints(*_pair(tmp_path, a, b))
+    assert bool(report.by_code("DW406")) is fires
+    assert report.subject["matched"] == shared
+
+
+def test_dw406_after_removing_a_prefix_says_so(tmp_path: Path) -> None:
+    a = _weights(["fc.weight", "ln.weight", "head.weight"])
+    # compiled, but two tensors renamed besides: one matches after `_orig_mod.` goes
+    b = {"_orig_mod.fc.weight": a["fc.weight"] + 1, "_orig_mod.x.weight": a["ln.weight"],
+         "_orig_mod.y.weight": a["head.weight"]}  # fmt: skip
+    report = deadweight.diff_checkpoints(*_pair(tmp_path, a, b))
+    (found,) = report.by_code("DW406")
+    assert "even after removing the prefix(es) `_orig_mod.` from b" in found.message
+    assert found.evidence["renamed"] == ["_orig_mod. from b"]
+
+
 # --- DW402 / DW403 / DW404 on real transformers models ----------------------------------
 
 

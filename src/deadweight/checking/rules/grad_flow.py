@@ -6,7 +6,13 @@ import os
 from collections import defaultdict
 from collections.abc import Iterator
 
-from deadweight.checking.check_stats import CUT_KINDS, WRITE_KINDS, GradFlowStats, display_path
+from deadweight.checking.check_stats import (
+    CUT_KINDS,
+    WRITE_KINDS,
+    GradFlowStats,
+    Site,
+    display_path,
+)
 from deadweight.checking.rules._explain import CutGroup, explain
 from deadweight.findings import Finding, Location, Severity
 from deadweight.registry import get_rule, rule
@@ -173,7 +179,11 @@ def graph_cut(stats: GradFlowStats) -> Iterator[Finding]:
     reentrant `torch.utils.checkpoint` with no input requiring grad, a module that
     never ran, a module whose output never reaches the loss, or a loss that has no
     `grad_fn` at all. Only cuts that leave some parameter with no gradient at all
-    are reported; a deliberate stop-gradient on a branch is not.
+    are reported; a deliberate stop-gradient on a branch is not. An op run under
+    `no_grad` / `inference_mode` is reported at the user's line that entered the
+    region (`h = self.ln_2(x)` inside `with torch.no_grad():`, not the `F.layer_norm`
+    line of the module called there, which is the evidence's `op_at`), and code that
+    `torch.compile` split at a graph break under the user's function and line.
 
     ## Why is this bad
     PyTorch raises no error at any of these places: backward succeeds, the optimizer
@@ -197,6 +207,9 @@ def graph_cut(stats: GradFlowStats) -> Iterator[Finding]:
     - `ops`, `lines`, `modules`: the ops, source lines and modules where it happened.
     - `result_reaches_loss`: whether the cut value still reaches the loss (without a gradient).
     - `called_from`: the caller of the function the cut happened in.
+    - `op_at`: for an op run under `no_grad` / `inference_mode` in a function the
+      reported line called, where that op ran (the location is the user's line
+      inside the region, the one that entered it).
     - `detail`: more on the cut (the op's own words, the function's name).
     - `backward_error`: the error backward raised (a custom op without autograd).
     - `loss_value`, `grad_enabled_when_computed`: for a loss without `grad_fn`.
@@ -207,6 +220,8 @@ def graph_cut(stats: GradFlowStats) -> Iterator[Finding]:
         kind = cut.kind
         n = len(group.params)
         subject = _subject(group)
+        if cut.op_site is not None:  # a no-grad region entered here, the op in a callee
+            subject += f" (at {_where(cut.op_site)})"
         message = (
             f"{subject} {CUT_KINDS[kind]}; {n} parameter{'s' if n > 1 else ''} upstream "
             f"get{'' if n > 1 else 's'} no gradient."
@@ -224,6 +239,8 @@ def graph_cut(stats: GradFlowStats) -> Iterator[Finding]:
             evidence["result_reaches_loss"] = any(c.flows_to_loss for c in group.cuts)
         if cut.caller is not None:
             evidence["called_from"] = str(cut.caller)
+        if cut.op_site is not None:
+            evidence["op_at"] = str(cut.op_site)
         if cut.detail:
             evidence["detail"] = cut.detail
         if kind == "custom-op-no-autograd" and stats.backward_error:
@@ -431,6 +448,10 @@ def _short_ref(group: CutGroup) -> str:
         return f"at {cut.op} ({cut.kind}, DW102)"
     where = f"{os.path.basename(cut.site.file)}:{cut.site.line} in {cut.site.function}"
     return f"at {where} ({cut.kind}, DW102)"
+
+
+def _where(site: Site) -> str:
+    return f"{os.path.basename(site.file)}:{site.line} in {site.function}"
 
 
 def _subject(group: CutGroup) -> str:

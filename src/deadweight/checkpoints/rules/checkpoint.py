@@ -325,3 +325,87 @@ def monotone_drift(stats: TrendStats) -> Iterator[Finding]:
                 "last": last,
             },
         )
+
+
+# Under half: most of the smaller file's tensors found no partner, so the diff's verdict
+# (DW401 above all) covers a minority of the model; two saves of one run share every name.
+_MIN_MATCHED_SHARE = 0.5
+_EXAMPLES = 5  # unmatched names per side in the evidence
+
+
+@rule(
+    code="DW406",
+    name="checkpoint-names-unmatched",
+    severity=Severity.WARNING,
+    summary="Two checkpoints compared by diff share under half of their tensor names.",
+    consumes=DiffStats,
+)
+def checkpoint_names_unmatched(stats: DiffStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    Counts the tensors found in both checkpoints under one name, and reports the
+    diff when they are under half of the tensors of the smaller checkpoint. Before
+    counting, `diff` removes the prefixes wrappers add to every name where that
+    matches more tensors: `_orig_mod.` (torch.compile), `module.`
+    (DistributedDataParallel, DataParallel), `_fsdp_wrapped_module.` (FSDP),
+    `_checkpoint_wrapped_module.` (activation checkpointing); the output says which it
+    removed.
+
+    ## Why is this bad
+    `diff` judges only the tensors it can pair. Two saves of one run share every
+    name; when most names differ, every unpaired tensor is listed as added or removed
+    and DW401 says nothing about it, so "no findings" would mean nothing: the files
+    are of different models, or a wrapper renamed the tensors in a way deadweight does
+    not undo.
+
+    ## Example
+    ```text
+    deadweight diff eager.pt compiled-with-a-custom-wrapper.pt
+    DW406: Only 1 of the 17 tensors of eager.pt matches a tensor of renamed.pt by name, ...
+    ```
+
+    ## Fix
+    Diff two checkpoints of the same model. If a wrapper renamed the tensors, save
+    the unwrapped model's state dict (`model._orig_mod.state_dict()`,
+    `ddp_model.module.state_dict()`), or rename the keys before saving.
+
+    ## Evidence
+    - `a`, `b`: the two checkpoints.
+    - `tensors_a`, `tensors_b`: how many tensors each lists.
+    - `matched`: how many names both share (after any prefix was removed).
+    - `only_in_a`, `only_in_b`: a few of the names each file has alone.
+    - `renamed`: the prefixes removed before matching, per side.
+    """
+    smaller = min(stats.names_a, stats.names_b)
+    if smaller == 0 or stats.matched >= _MIN_MATCHED_SHARE * smaller:
+        return
+    side = stats.a if stats.names_a <= stats.names_b else stats.b
+    other = stats.b if side == stats.a else stats.a
+    examples = stats.removed[:1] + stats.added[:1]
+    renamed = (
+        "even after removing the prefix(es) "
+        + ", ".join(f"`{r.prefix}` from {r.side}" for r in stats.renamed)
+        if stats.renamed
+        else "and no wrapper prefix deadweight knows (`_orig_mod.`, `module.`, "
+        "`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`) explains the difference"
+    )
+    yield get_rule("DW406").finding(
+        (f"Only {stats.matched}" if stats.matched else "None")
+        + f" of the {smaller} tensors of {side} "
+        + ("match" if stats.matched > 1 else "matches")
+        + f" a tensor of {other} by name, {renamed}: the diff says nothing about the other "
+        f"{smaller - stats.matched} ({len(stats.removed)} only in {stats.a}, "
+        f"{len(stats.added)} only in {stats.b}"
+        + (f", e.g. {' and '.join(examples)}" if examples else "")
+        + "). Are these checkpoints of the same model?",
+        evidence={
+            "a": stats.a,
+            "b": stats.b,
+            "tensors_a": stats.names_a,
+            "tensors_b": stats.names_b,
+            "matched": stats.matched,
+            "only_in_a": stats.removed[:_EXAMPLES],
+            "only_in_b": stats.added[:_EXAMPLES],
+            "renamed": [f"{r.prefix} from {r.side}" for r in stats.renamed],
+        },
+    )
