@@ -111,3 +111,23 @@ def test_files_without_the_words_cost_one_parse() -> None:
 def test_syntax_errors_propagate() -> None:
     with pytest.raises(SyntaxError):
         probe_python("def (:\n", "m.py")
+
+
+def test_a_stored_lambda_that_calls_itself_ends() -> None:
+    source = textwrap.dedent("""
+        import torch
+        from torch import nn
+
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+                self.f = lambda x: self.f(x) if x is None else self.lin(x).detach()
+
+            def forward(self, x):
+                return self.f(x)
+    """)
+    (module,) = probe_python(source, "m.py").modules
+    (cut,) = module.cuts
+    assert cut.function == "M.__init__" and cut.attributes == ("lin",)

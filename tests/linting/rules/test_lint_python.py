@@ -197,6 +197,95 @@ CUT_CASES = {
         """,
         {"blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.fc.weight", "blocks.1.fc.bias"},
     ),
+    "one member of a ModuleList, by index": (
+        """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 1)])
+
+            def forward(self, x):
+                h = self.layers[0](x).detach()  # DW501
+                return self.layers[1](h)
+        """,
+        {"layers.0.weight", "layers.0.bias"},
+    ),
+    "one member of a Sequential under no_grad": (
+        """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+
+            def forward(self, x):
+                with torch.no_grad():  # DW501
+                    h = self.net[1](self.net[0](x))
+                return self.net[2](h)
+        """,
+        {"net.0.weight", "net.0.bias"},
+    ),
+    "one head of a ModuleDict, by key": (
+        """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.heads = nn.ModuleDict({"enc": nn.Linear(4, 4), "out": nn.Linear(4, 1)})
+
+            def forward(self, x):
+                h = self.heads["enc"](x)
+                return self.heads["out"](h.detach())  # DW501
+        """,
+        {"heads.enc.weight", "heads.enc.bias"},
+    ),
+    "a ModuleDict of dict(...), nested containers and a loop over one": (
+        """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = nn.ModuleDict(dict(
+                    stem=nn.Linear(4, 4),
+                    h=nn.ModuleList([nn.Linear(4, 4) for _ in range(2)]),
+                    head=nn.Sequential(nn.GELU(), nn.Linear(4, 1)),
+                ))
+
+            def forward(self, x):
+                x = self.body.stem(x)
+                for layer in self.body.h:
+                    x = layer(x)
+                return self.body.head(x.detach())  # DW501
+        """,
+        {
+            "body.stem.weight",
+            "body.stem.bias",
+            "body.h.0.weight",
+            "body.h.0.bias",
+            "body.h.1.weight",
+            "body.h.1.bias",
+        },
+    ),
+    "blocks in a Sequential built from a starred list (minGPT's first layout)": (
+        """
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x):
+                return x + self.fc(x)
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.Sequential(*[Block() for _ in range(2)])
+                self.head = nn.Linear(4, 1)
+
+            def forward(self, x):
+                with torch.no_grad():  # DW501
+                    x = self.blocks(x)
+                return self.head(x)
+        """,
+        {"blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.fc.weight", "blocks.1.fc.bias"},
+    ),
 }
 
 
@@ -414,6 +503,52 @@ HEALTHY = {
                 chosen = scores.argmax(-1)
                 return scores.topk(2, dim=-1).indices.to(torch.int32), chosen.long()
     """,
+    "tied weights: the cut copy is the same tensor as a live one": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.proj_in = nn.Linear(4, 4, bias=False)
+                self.proj_out = nn.Linear(4, 4, bias=False)
+                self.proj_out.weight = self.proj_in.weight
+
+            def forward(self, x):
+                h = self.proj_in(x).detach()
+                return self.proj_out(h)
+    """,
+    "a ModuleDict member picked by a key known only at run time": """
+        class M(nn.Module):
+            def __init__(self, task="enc"):
+                super().__init__()
+                self.heads = nn.ModuleDict({"enc": nn.Linear(4, 4), "dec": nn.Linear(4, 4)})
+                self.task = task
+
+            def forward(self, x):
+                h = self.heads["enc"](x).detach()
+                return self.heads[self.task](h)
+    """,
+    "a container changed after it is built": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Identity()})
+                self.blocks["b"] = self.blocks["a"]  # its keys no longer say what they hold
+
+            def forward(self, x):
+                h = self.blocks["a"](x).detach()
+                return self.blocks["b"](h)
+    """,
+    "a parameter replaced by a slice of itself (nanoGPT's crop_block_size)": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.parts = nn.ModuleDict(dict(wpe=nn.Embedding(8, 4), head=nn.Linear(4, 1)))
+
+            def forward(self, x):
+                return self.parts.head(x + self.parts.wpe.weight[: x.shape[0]])
+
+            def crop(self, n):
+                self.parts.wpe.weight = nn.Parameter(self.parts.wpe.weight[:n].detach())
+    """,
     "scalar used in a condition and in math": """
         class M(nn.Module):
             def __init__(self):
@@ -440,6 +575,9 @@ def test_dw501_quiet_cases_really_train(tmp_path: Path) -> None:
         ("straight-through estimator", set()),
         ("stop-gradient on one of two branches", set()),
         ("detach for logging and metrics", set()),
+        ("tied weights: the cut copy is the same tensor as a live one", set()),
+        ("a container changed after it is built", set()),
+        ("a parameter replaced by a slice of itself (nanoGPT's crop_block_size)", set()),
     ]:
         path = write(tmp_path, src(HEALTHY[case]), f"{case.replace(' ', '_')}.py")
         assert without_grad(load(path).M(), torch.randn(3, 4)) == expected, case

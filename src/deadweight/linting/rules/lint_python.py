@@ -25,8 +25,18 @@ _CUT_WORDING = {
 }
 
 
+def _access(name: str) -> str:
+    """An attribute path as the source spells it: "transformer.h.0" -> `self.transformer.h[0]`."""
+    text = "self"
+    for part in name.split("."):
+        text += (
+            f"[{part}]" if part.isdigit() else f".{part}" if part.isidentifier() else f"[{part!r}]"
+        )
+    return f"`{text}`"
+
+
 def _names(names: list[str]) -> str:
-    quoted = [f"`self.{n}`" for n in names]
+    quoted = [_access(n) for n in names]
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
@@ -48,9 +58,20 @@ def forward_gradient_cut(facts: PythonSourceFacts) -> Iterator[Finding]:
     `.data`, `.item()` / `.tolist()` / `.numpy()` / `float()` turned back into tensor
     math, or a tensor rebuilt with `torch.tensor(...)`.
 
+    Containers built in place are followed member by member: nanoGPT's and minGPT's
+    `self.transformer = nn.ModuleDict(dict(wte=..., h=nn.ModuleList([...]),
+    ln_f=...))` gives `self.transformer.wte`, `self.transformer.h` and
+    `self.transformer.ln_f`, reached by attribute, key or index
+    (`self.transformer["ln_f"]`, `self.mlp[0]`) and by loops over them; a key known
+    only at run time reaches every member. A container built from a comprehension or
+    `*layers`, or changed after it is built, counts as one submodule. A lambda stored
+    on the module (minGPT's `self.mlpf = lambda x: m.c_proj(m.c_fc(x))`) is followed
+    where it is called.
+
     It stays quiet when any value of the attribute reaches an output with its
     gradient intact (a straight-through estimator, a detached copy kept for
-    logging, a stop-gradient on one of two branches), when the cut value never
+    logging, a stop-gradient on one of two branches, a weight tied to one that
+    learns, as nanoGPT's `wte` is to `lm_head`), when the cut value never
     reaches the output (a metric, a printed loss, a shape), when the class turns
     the gradient off itself (`requires_grad_(False)`, `requires_grad = False`), and
     for classes that run their own backward pass (reversible layers).
@@ -79,7 +100,8 @@ def forward_gradient_cut(facts: PythonSourceFacts) -> Iterator[Finding]:
 
     ## Evidence
     - `class`: the module class.
-    - `attributes`: the parameters or submodules that get no gradient.
+    - `attributes`: the parameters or submodules that get no gradient, by the names torch
+      gives them (`transformer.ln_f`, `mlp.0`).
     - `cut`: the kind of cut (a no-grad block, `.detach()`, `.data`, `.item()`, ...).
     - `construct`: the code construct that cut it.
     """
