@@ -605,7 +605,7 @@ NANOGPT = """
 def configure_optimizers(self, weight_decay, learning_rate):
     param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
     decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]  # DW502
-    nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]  # DW502
+    nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]  # its partner
     optim_groups = [
         {"params": decay_params, "weight_decay": weight_decay},
         {"params": nodecay_params, "weight_decay": 0.0},
@@ -615,13 +615,39 @@ def configure_optimizers(self, weight_decay, learning_rate):
 
 OTHER_FORMS = """
 def groups(model, wd):
-    out = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": wd}]  # DW502
+    return [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": wd}]  # DW502
+
+
+def per_parameter(model, wd):
     for name, p in model.named_parameters():
         p_wd = 0.0 if p.ndimension() == 1 else wd  # DW502
+
+
+def flags(model):
+    for name, p in model.named_parameters():
         no_decay = p.ndim < 2 or name.endswith(".bias")  # DW502
+
+
+def skipping(model):
     decay = []
     for p in model.parameters():
         if len(p.size()) <= 1:  # DW502
+            continue
+        decay.append(p)
+    return decay
+"""
+
+# One function, two rules: `>= 2`, `< 2` and `<= 1` draw the same line (one rule, written
+# three times); `== 1` draws another (a rank-0 tensor is decayed by it).
+ONE_FUNCTION = """
+def groups(model, wd):
+    out = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": wd}]  # DW502
+    for name, p in model.named_parameters():
+        p_wd = 0.0 if p.ndimension() == 1 else wd  # DW502
+        no_decay = p.ndim < 2 or name.endswith(".bias")  # partner
+    decay = []
+    for p in model.parameters():
+        if len(p.size()) <= 1:  # partner
             continue
         decay.append(p)
     return out, decay
@@ -683,6 +709,26 @@ def test_dw502_fires_at_the_rank_test(tmp_path: Path, source: str) -> None:
     source = HEADER + source
     report = lint_source(tmp_path, source)
     assert lines_of(report, "DW502") == marked(source, "DW502")
+
+
+def test_dw502_reports_one_rule_once_with_its_partners(tmp_path: Path) -> None:
+    source = HEADER + NANOGPT
+    (finding,) = lint_source(tmp_path, source).by_code("DW502")
+    (line,) = marked(source, "its partner")
+    assert finding.location.line == marked(source, "DW502")[0]
+    column = textwrap.dedent(source).lstrip("\n").splitlines()[line - 1].index("p.dim() < 2") + 1
+    assert finding.evidence["partners"] == [
+        {"line": line, "column": column, "expression": "p.dim() < 2"}
+    ]
+    assert "(with its partner `p.dim() < 2`)" in finding.message
+    source = HEADER + ONE_FUNCTION
+    report = lint_source(tmp_path, source)
+    assert lines_of(report, "DW502") == marked(source, "DW502")
+    first, second = report.by_code("DW502")
+    assert [p["line"] for p in first.evidence["partners"]] == marked(source, "partner")
+    assert [p["expression"] for p in first.evidence["partners"]] == ["p.ndim < 2",
+                                                                      "len(p.size()) <= 1"]  # fmt: skip
+    assert second.evidence["partners"] == []
 
 
 def test_dw502_seed_position_and_fix(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""DW501 on the code users write: nanoGPT's model.py and train.py (vendored
+"""DW501 and DW502 on the code users write: nanoGPT's model.py and train.py (vendored
 unmodified in tests/e2e/nanogpt, MIT licence) and minGPT's layout (rebuilt below).
 
 Both keep their submodules in containers (`self.transformer = nn.ModuleDict(dict(wte=...,
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import deadweight
+from deadweight.findings import Severity
 from tests.cli_runner import deadweight_cli
 from tests.linting.helpers import load
 
@@ -337,3 +338,47 @@ def test_stock_mingpt_layout_lints_clean(tmp_path: Path) -> None:
     assert deadweight.lint_paths([path], config=None).findings == ()
     model = load(path).GPT(vocab_size=32, block_size=8)
     assert _parameters_without_gradient(model, 32, 8) == set()  # and it really trains
+
+
+# ------------------------------------------------------------------ stock nanoGPT
+
+
+def test_stock_nanogpt_lints_to_one_dw502_info_and_exit_0(tmp_path: Path) -> None:
+    """model.py and train.py as shipped: no cut, and the one shape rule reported once,
+    as info: nanoGPT has no scalar or shape-[1] parameter for it to exempt."""
+    work = _nanogpt_copy(tmp_path)
+    report = deadweight.lint_paths([work], config=None)
+    assert report.by_code("DW501") == []
+    (finding,) = report.findings
+    model = (work / "model.py").read_text().splitlines()
+    first = next(n for n, t in enumerate(model, 1) if "p.dim() >= 2]" in t)
+    assert finding.code == "DW502" and finding.severity is Severity.INFO
+    assert (finding.location.file, finding.location.line) == (str(work / "model.py"), first)
+    assert finding.evidence["expression"] == "p.dim() >= 2"
+    assert finding.evidence["partners"] == [
+        {"line": first + 1, "column": model[first].index("p.dim() < 2") + 1,
+         "expression": "p.dim() < 2"}
+    ]  # fmt: skip
+    assert finding.evidence["scalar_parameters"] == []
+    proc = deadweight_cli("lint", "--isolated", work / "model.py", work / "train.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(": DW502 ") == 1
+
+
+def test_nanogpt_with_a_layer_scalar_makes_dw502_a_warning(tmp_path: Path) -> None:
+    """tests/e2e/test_nanogpt.py's second seeded bug: a shape-[1] scalar in front of
+    ln_f, which the `p.dim() < 2` group exempts from decay (check's DW203 sees it drift)."""
+    init = "ln_f = LayerNorm(config.n_embd, bias=config.bias),\n        ))\n"
+    scalar = "        self.scale = nn.Parameter(torch.ones(1))\n"
+    work = _nanogpt_copy(tmp_path, (init, init + scalar))
+    proc = deadweight_cli("lint", "--isolated", "--format", "json", work)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = deadweight.lint_paths([work], config=None)
+    (finding,) = report.by_code("DW502")
+    assert finding.severity is Severity.WARNING
+    line = (work / "model.py").read_text().splitlines().index(scalar.rstrip("\n")) + 1
+    assert finding.evidence["scalar_parameters"] == [
+        {"file": str(work / "model.py"), "line": line, "parameter": "self.scale",
+         "construct": "nn.Parameter(torch.ones(1))"}
+    ]  # fmt: skip
+    assert "self.scale" in finding.message
