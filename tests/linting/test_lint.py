@@ -160,3 +160,70 @@ def test_reading_goes_through_read_bytes(tmp_path: Path, monkeypatch: pytest.Mon
     write(tmp_path, GOOD, "b.py")
     lint(tmp_path)
     assert sorted(Path(c).name for c in calls) == ["a.py", "b.py"]
+
+
+DECAY_RULE = """
+def groups(model, wd):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+"""
+
+LAYER_SCALAR = """
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+"""
+
+
+def test_dw502_sees_the_scalar_of_a_model_the_script_imports(tmp_path: Path) -> None:
+    train = write(tmp_path, "from model import M\n" + DECAY_RULE.lstrip("\n"), "train.py")
+    model = write(tmp_path, LAYER_SCALAR, "model.py")
+    write(tmp_path / "tests", LAYER_SCALAR, "test_other.py")  # imported by nothing here
+    (alone,) = lint(train).findings
+    assert alone.code == "DW502" and alone.severity is deadweight.Severity.INFO
+    assert alone.evidence["scalar_parameters"] == []
+    (both,) = lint(train, model, tmp_path / "tests").findings
+    assert both.severity is deadweight.Severity.WARNING
+    assert both.location.file == str(train) and both.location.line == 3
+    assert both.evidence["scalar_parameters"] == [
+        {"file": str(model), "line": 8, "parameter": "self.scale",
+         "construct": "nn.Parameter(torch.ones(1))"}
+    ]  # fmt: skip
+    assert "`self.scale` (`nn.Parameter(torch.ones(1))` in model.py)" in both.message
+
+
+def test_dw502_in_a_helper_sees_the_models_of_the_scripts_that_use_it(tmp_path: Path) -> None:
+    """utils/optim.py holds the rule; train.py imports it and the model package."""
+    write(tmp_path / "utils", "", "__init__.py")
+    helper = write(tmp_path / "utils", DECAY_RULE, "optim.py")
+    write(tmp_path / "models", "from .gpt import M\n", "__init__.py")
+    gpt = write(tmp_path / "models", LAYER_SCALAR, "gpt.py")
+    write(tmp_path, "from utils.optim import groups\nfrom models import M\n", "train.py")
+    (finding,) = lint(tmp_path).findings
+    assert finding.location.file == str(helper)
+    assert finding.severity is deadweight.Severity.WARNING
+    assert [p["file"] for p in finding.evidence["scalar_parameters"]] == [str(gpt)]
+
+
+def test_dw502_across_files_keeps_each_files_settings(tmp_path: Path) -> None:
+    """The rule reads the files together; suppressions and per-file-ignores still apply
+    to the file each finding is in."""
+    write(tmp_path, LAYER_SCALAR, "model.py")
+    importing = "from model import M\n" + DECAY_RULE.lstrip("\n")
+    write(tmp_path, importing.replace(">= 2]", ">= 2]  # deadweight: ignore[DW502]"), "a.py")
+    write(tmp_path, importing, "scripts/b.py")
+    write(tmp_path, importing, "c.py")
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.deadweight.per-file-ignores]\n"scripts/**" = ["shape-based-decay"]\n'
+    )
+    report = deadweight.lint_paths([tmp_path], config=tmp_path / "pyproject.toml")
+    assert [(Path(f.location.file).name, f.severity.value) for f in report.findings] == [
+        ("c.py", "warning")
+    ]
+    assert report.subject["suppressed"] == 1

@@ -111,3 +111,59 @@ def test_files_without_the_words_cost_one_parse() -> None:
 def test_syntax_errors_propagate() -> None:
     with pytest.raises(SyntaxError):
         probe_python("def (:\n", "m.py")
+
+
+SCALARS = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from torch.nn import Parameter
+
+
+    class M(nn.Module):
+        def __init__(self, dim, init=0.1):
+            super().__init__()
+            self.a = nn.Parameter(torch.ones(1))  # scalar
+            self.b = nn.Parameter(torch.zeros(()))  # scalar
+            self.c = Parameter(torch.tensor(0.5))  # scalar
+            self.d = nn.Parameter(torch.tensor([-1.0]))  # scalar
+            self.e = nn.Parameter(init * torch.ones(1))  # scalar
+            self.f = nn.Parameter(torch.full((1,), init))  # scalar
+            self.g = nn.Parameter(torch.ones(1).fill_(init))  # scalar
+            self.register_parameter("h", nn.Parameter(torch.randn([])))  # scalar
+            self.gain = nn.Parameter(torch.ones(dim))
+            self.grid = nn.Parameter(torch.ones(1, 4))
+            self.table = nn.Parameter(torch.zeros(4))
+            self.frozen = nn.Parameter(torch.ones(1), requires_grad=False)
+            self.values = nn.Parameter(torch.tensor(init))
+            self.pair = nn.Parameter(torch.tensor([1.0, 2.0]))
+""").lstrip()
+
+
+def test_scalar_and_shape_1_parameters() -> None:
+    facts = probe_python(SCALARS, "m.py")
+    lines = [n for n, text in enumerate(SCALARS.splitlines(), 1) if text.endswith("# scalar")]
+    assert [p.span.line for p in facts.scalar_parameters] == lines
+    assert [p.target for p in facts.scalar_parameters] == [
+        "self.a", "self.b", "self.c", "self.d", "self.e", "self.f", "self.g", "'h'"
+    ]  # fmt: skip
+    assert facts.scalar_parameters[0].construct == "nn.Parameter(torch.ones(1))"
+
+
+def test_a_stored_lambda_that_calls_itself_ends() -> None:
+    source = textwrap.dedent("""
+        import torch
+        from torch import nn
+
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+                self.f = lambda x: self.f(x) if x is None else self.lin(x).detach()
+
+            def forward(self, x):
+                return self.f(x)
+    """)
+    (module,) = probe_python(source, "m.py").modules
+    (cut,) = module.cuts
+    assert cut.function == "M.__init__" and cut.attributes == ("lin",)

@@ -26,6 +26,7 @@ from deadweight import config as config_module
 from deadweight.config import Config
 from deadweight.findings import Finding
 from deadweight.linting import source_files, suppressions
+from deadweight.linting.python_facts import PythonRunFacts, PythonSourceFacts
 from deadweight.linting.source_files import DEFAULT_MAX_BYTES, SourcePath, SourceProblem
 from deadweight.registry import Selection, rules_consuming
 from deadweight.report import Report
@@ -64,6 +65,10 @@ def lint_paths(
     findings: list[Finding] = []
     used_configs: set[str] = set()
     seen: set[str] = set()
+    # Files whose facts a rule across files needs (DW502: a decay rule in train.py and
+    # the scalar parameter model.py creates), with the configuration each was linted under.
+    across: list[tuple[PythonSourceFacts, Config]] = []
+    imports: dict[str, tuple[str, ...]] = {}  # every Python file linted -> what it imports
     for raw in paths:
         cfg = _config_for(raw, config)
         if cfg.path is not None:
@@ -75,7 +80,10 @@ def lint_paths(
             if real in seen:
                 continue
             seen.add(real)
-            findings.extend(_lint_file(item, cfg, select, ignore, max_file_size, tally))
+            findings.extend(
+                _lint_file(item, cfg, select, ignore, max_file_size, tally, across, imports)
+            )
+    findings.extend(_judge_across(across, imports, select, ignore, tally))
     if tally.rust_unparsed:
         from deadweight.linting.source_rust import INSTALL_HINT
 
@@ -133,6 +141,8 @@ def _lint_file(
     ignore: Rules,
     max_file_size: int,
     tally: _Tally,
+    across: list[tuple[PythonSourceFacts, Config]],
+    imports: dict[str, tuple[str, ...]],
 ) -> list[Finding]:
     data = source_files.read_bytes(item.path, max_file_size)
     if isinstance(data, SourceProblem):
@@ -189,25 +199,67 @@ def _lint_file(
             ))  # fmt: skip
     tally.files += 1
     tally.languages[item.language] += 1
+    if isinstance(facts, PythonSourceFacts):
+        imports[facts.path] = facts.imports
+        if facts.rank_decay or facts.scalar_parameters:
+            across.append((facts, cfg))
+    found = [f for r in rules_consuming(type(facts)) for f in r.judge(facts)]
+    return _kept(found, item.path, facts.suppressions, cfg, select, ignore, tally)
+
+
+def _judge_across(
+    across: list[tuple[PythonSourceFacts, Config]],
+    imports: dict[str, tuple[str, ...]],
+    select: Rules,
+    ignore: Rules,
+    tally: _Tally,
+) -> list[Finding]:
+    """The rules that read the Python files of the run together; each finding is then
+    kept or dropped by the settings and comments of the file it is in."""
+    if not across:
+        return []
+    from deadweight.linting.import_graph import in_sight
+
+    wanted = [facts.path for facts, _ in across if facts.rank_decay]
+    run = PythonRunFacts(tuple(facts for facts, _ in across), in_sight(imports, wanted))
+    by_path = {facts.path: (facts, cfg) for facts, cfg in across}
+    kept: list[Finding] = []
+    for r in rules_consuming(PythonRunFacts):
+        for finding in r.judge(run):
+            path = finding.location.file if finding.location else None
+            if path not in by_path:
+                continue
+            facts, cfg = by_path[path]
+            kept += _kept([finding], path, facts.suppressions, cfg, select, ignore, tally)
+    return kept
+
+
+def _kept(
+    found: list[Finding],
+    path: str,
+    table: suppressions.Suppressions,
+    cfg: Config,
+    select: Rules,
+    ignore: Rules,
+    tally: _Tally,
+) -> list[Finding]:
+    """What survives the selection, the inline suppressions and `inference-only`."""
     kept: list[Finding] = []
     selection = _selection(
         tuple(_entries(select)) or cfg.select,
-        (*cfg.ignore, *_entries(ignore), *cfg.ignored_rules(item.path)),
+        (*cfg.ignore, *_entries(ignore), *cfg.ignored_rules(path)),
     )
-    for r in rules_consuming(type(facts)):
-        for finding in r.judge(facts):
-            if not selection.keeps(finding):
-                continue
-            if _suppressed(finding, facts.suppressions):
-                tally.suppressed += 1
-                continue
-            loc = finding.location
-            if cfg.inference_only and cfg.inference_only_match(
-                item.path, loc.function if loc else None
-            ):
-                tally.inference_only += 1
-                continue
-            kept.append(finding)
+    for finding in found:
+        if not selection.keeps(finding):
+            continue
+        if _suppressed(finding, table):
+            tally.suppressed += 1
+            continue
+        loc = finding.location
+        if cfg.inference_only and cfg.inference_only_match(path, loc.function if loc else None):
+            tally.inference_only += 1
+            continue
+        kept.append(finding)
     return kept
 
 

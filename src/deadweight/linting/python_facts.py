@@ -41,13 +41,34 @@ class ModuleCuts:
 
 
 @dataclass(frozen=True)
+class RankTest:
+    """One comparison of a tensor's rank (`p.dim() < 2`)."""
+
+    span: Span
+    expression: str
+
+
+@dataclass(frozen=True)
 class RankDecayChoice:
-    """A comparison of a tensor's rank that decides weight-decay groups."""
+    """A comparison of a tensor's rank that decides weight-decay groups, with the other
+    comparisons of the same function that draw the same line (nanoGPT's `p.dim() >= 2`
+    for the decayed group and `p.dim() < 2` for the rest are one choice)."""
 
     span: Span
     function: str
     expression: str  # e.g. "len(param.shape) == 1"
     decay_words: tuple[str, ...]  # the names and strings that tie it to weight decay
+    partners: tuple[RankTest, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScalarParameter:
+    """A parameter created with a scalar or shape-[1] tensor (`nn.Parameter(torch.ones(1))`):
+    what a rank-based decay rule exempts by accident."""
+
+    span: Span
+    target: str | None  # what it is stored in (`self.scale`), when the source says
+    construct: str
 
 
 @dataclass(frozen=True)
@@ -76,7 +97,20 @@ class PythonSourceFacts:
     rank_decay: tuple[RankDecayChoice, ...] = ()
     autograd_gaps: tuple[AutogradGap, ...] = ()
     checkpoints: tuple[CheckpointCall, ...] = ()
+    scalar_parameters: tuple[ScalarParameter, ...] = ()
+    imports: tuple[str, ...] = ()  # modules imported at module level (".model" if relative)
     suppressions: Suppressions = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PythonRunFacts:
+    """What the rules that look across files need from the Python files of one lint
+    run: a decay rule in train.py exempts the layer scalar that model.py creates."""
+
+    files: tuple[PythonSourceFacts, ...] = ()
+    # path -> the linted files in sight of it: itself, the files that import it and
+    # everything those import, directly or not (see `import_graph`)
+    in_sight: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 class Source:
@@ -119,6 +153,31 @@ class Source:
 def snippet(node: ast.AST, limit: int = 60) -> str:
     text = ast.unparse(node)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def imported_modules(body: list[ast.stmt]) -> tuple[str, ...]:
+    """The modules a file imports at module level (also under if/try/with): `import a.b`
+    -> "a.b"; `from .model import GPT` -> ".model" and ".model.GPT" (GPT may be a module)."""
+    found: list[str] = []
+    stack = list(body)
+    while stack:
+        stmt = stack.pop()
+        if isinstance(stmt, ast.Import):
+            found.extend(alias.name for alias in stmt.names)
+        elif isinstance(stmt, ast.ImportFrom):
+            base = "." * stmt.level + (stmt.module or "")
+            if stmt.module:
+                found.append(base)
+            for alias in stmt.names:
+                if alias.name != "*":
+                    found.append(f"{base}.{alias.name}" if stmt.module else base + alias.name)
+        elif isinstance(stmt, (ast.If, ast.Try, ast.With)):
+            stack.extend(stmt.body)
+            stack.extend(getattr(stmt, "orelse", []))
+            stack.extend(getattr(stmt, "finalbody", []))
+            for handler in getattr(stmt, "handlers", []):
+                stack.extend(handler.body)
+    return tuple(dict.fromkeys(found))
 
 
 def module_imports(body: list[ast.stmt]) -> dict[str, str]:

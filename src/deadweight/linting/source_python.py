@@ -27,7 +27,10 @@ from deadweight.linting.python_facts import (
     ModuleCuts,
     PythonSourceFacts,
     RankDecayChoice,
+    RankTest,
+    ScalarParameter,
     Source,
+    imported_modules,
     module_imports,
     snippet,
 )
@@ -48,12 +51,15 @@ def probe_python(text: str, path: str) -> PythonSourceFacts:
     checkpoints: tuple[CheckpointCall, ...] = ()
     if "utils.checkpoint" in text or "utils import checkpoint" in text:
         checkpoints = tuple(find_checkpoints(source))
+    scalars = tuple(find_scalar_parameters(source)) if _may_create_scalar(text) else ()
     return PythonSourceFacts(
         path=path,
         modules=modules,
         rank_decay=rank_decay,
         autograd_gaps=gaps,
         checkpoints=checkpoints,
+        scalar_parameters=scalars,
+        imports=imported_modules(tree.body),
         suppressions=find_suppressions(text),
     )
 
@@ -149,13 +155,25 @@ def rank_subject(node: ast.AST) -> ast.AST | None:
     return None
 
 
+_COMPARE = {
+    ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b, ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
+}  # fmt: skip
+# Ranks 0, 1, 2 and "3 or more": the thresholds tested are 0 to 2, so this is every case.
+_RANKS = (0, 1, 2, 3)
+
+
 def _is_rank_test(node: ast.Compare) -> bool:
-    if len(node.ops) != 1 or not isinstance(
-        node.ops[0], (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
-    ):
-        return False
+    return _ranks_passing(node) is not None
+
+
+def _ranks_passing(node: ast.Compare) -> frozenset[int] | None:
+    """The tensor ranks for which a rank test holds: `p.dim() < 2` -> {0, 1}."""
+    if len(node.ops) != 1 or type(node.ops[0]) not in _COMPARE:
+        return None
+    compare = _COMPARE[type(node.ops[0])]
     left, right = node.left, node.comparators[0]
-    for side, other in ((left, right), (right, left)):
+    for side, other, flipped in ((left, right, False), (right, left, True)):
         if (
             rank_subject(side) is not None
             and isinstance(other, ast.Constant)
@@ -163,8 +181,9 @@ def _is_rank_test(node: ast.Compare) -> bool:
             and not isinstance(other.value, bool)
             and 0 <= other.value <= 2
         ):
-            return True
-    return False
+            k = other.value
+            return frozenset(r for r in _RANKS if (compare(k, r) if flipped else compare(r, k)))
+    return None
 
 
 def _decay_words_in(nodes: list[ast.AST]) -> list[str]:
@@ -196,11 +215,152 @@ def find_rank_decay(source: Source) -> Iterator[RankDecayChoice]:
             parents[child] = node
         if isinstance(node, ast.Compare) and _is_rank_test(node):
             tests.append((function, node))
-    for function, test in tests:
-        region = _deciding_region(test, parents)
-        words = _decay_words_in(region)
-        if words:
-            yield RankDecayChoice(source.span(test), function, snippet(test), tuple(words[:4]))
+    # One decay rule is often written twice, once per group (nanoGPT's `p.dim() >= 2` and
+    # `p.dim() < 2`): tests of one function that draw the same line are one choice,
+    # reported at the first, the others its partners.
+    groups: list[tuple[str, frozenset[int], ast.Compare, list[str], list[ast.Compare]]] = []
+    for function, test in sorted(tests, key=lambda ft: (ft[1].lineno, ft[1].col_offset)):
+        words = _decay_words_in(_deciding_region(test, parents))
+        if not words:
+            continue
+        ranks = _ranks_passing(test) or frozenset()
+        line = {ranks, frozenset(_RANKS) - ranks}
+        group = next((g for g in groups if g[0] == function and g[1] in line), None)
+        if group is None:
+            groups.append((function, ranks, test, words, []))
+        else:
+            group[4].append(test)
+            group[3].extend(w for w in words if w not in group[3])
+    for function, _, test, words, partners in groups:
+        yield RankDecayChoice(
+            source.span(test), function, snippet(test), tuple(words[:4]),
+            tuple(RankTest(source.span(p), snippet(p)) for p in partners),
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------- parameters of shape [] / [1]
+
+_FACTORIES = {"ones", "zeros", "empty", "randn", "rand", "full"}
+_SCALAR_WRAPPERS = {"tensor", "as_tensor", "scalar_tensor"}
+_SAME_SHAPE_METHODS = {"fill_", "to", "float", "double", "half", "bfloat16", "clone", "cuda",
+                       "cpu", "zero_", "normal_", "uniform_", "mul_", "add_", "detach",
+                       "requires_grad_", "contiguous"}  # fmt: skip
+
+
+# A textual screen for `Parameter(` followed by a tensor of shape [] or [1]: `torch.ones(1`,
+# `zeros(()`, `randn([]`, `full((1,`, `tensor(0.5`, `tensor([1.`, `init * torch.ones(1`.
+# It only decides whether the syntax tree is searched; the tree decides what counts.
+_MAY_BE_SCALAR = re.compile(
+    r"Parameter\(\s*(?:data\s*=\s*)?(?:[\w.]+\s*\*\s*)?(?:\w+\.)*(?:"
+    r"(?:ones|zeros|empty|randn|rand|full)\(\s*(?:1\s*[,)]|\(\s*(?:1\s*,?\s*)?\)|\[\s*1?\s*\])"
+    r"|(?:tensor|as_tensor|scalar_tensor)\(\s*\[?\s*[-+]?\s*[\d.])"
+)
+
+
+def _may_create_scalar(text: str) -> bool:
+    return "Parameter(" in text and _MAY_BE_SCALAR.search(text) is not None
+
+
+def find_scalar_parameters(source: Source) -> Iterator[ScalarParameter]:
+    """`nn.Parameter(...)` of a scalar or shape-[1] tensor, wherever it is created. Only
+    the statements around the textual screen's matches are searched."""
+    lines = {source.text.count("\n", 0, m.start()) + 1
+             for m in _MAY_BE_SCALAR.finditer(source.text)}  # fmt: skip
+    targets: dict[ast.AST, str] = {}
+    calls: list[ast.Call] = []
+    stack: list[ast.AST] = [source.tree]
+    while stack:
+        node = stack.pop()
+        first = getattr(node, "lineno", None)
+        if first is not None:
+            last = getattr(node, "end_lineno", None) or first
+            if not any(first <= line <= last for line in lines):
+                continue
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if isinstance(target, (ast.Name, ast.Attribute, ast.Subscript)):
+                targets[node.value] = snippet(target)
+        elif isinstance(node, ast.Call):
+            if (
+                isinstance(node.func, ast.Attribute)
+                and node.func.attr == "register_parameter"
+                and len(node.args) == 2
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                targets[node.args[1]] = repr(node.args[0].value)
+            calls.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    for call in sorted(calls, key=lambda c: (c.lineno, c.col_offset)):
+        dotted = source.resolve(call.func) or ""
+        if not (dotted.endswith("nn.Parameter") or dotted.endswith("nn.parameter.Parameter")
+                or dotted == "Parameter"):  # fmt: skip
+            continue
+        if any(k.arg == "requires_grad" and _is_false(k.value) for k in call.keywords):
+            continue
+        data = (
+            call.args[0]
+            if call.args
+            else next((k.value for k in call.keywords if k.arg == "data"), None)
+        )
+        if data is not None and _scalar_tensor(source, data):
+            yield ScalarParameter(source.span(call), targets.get(call), snippet(call))
+
+
+def _scalar_tensor(source: Source, node: ast.AST) -> bool:
+    """`torch.ones(1)`, `torch.zeros(())`, `torch.tensor(1.0)`, `torch.tensor([0.5])`,
+    `init * torch.ones(1)`, `torch.full((1,), v)`, `torch.ones(1).fill_(v)`."""
+    if isinstance(node, ast.BinOp):
+        for side, other in ((node.left, node.right), (node.right, node.left)):
+            if _scalar_tensor(source, side) and _number_like(other):
+                return True
+        return False
+    if not isinstance(node, ast.Call):
+        return False
+    if (
+        isinstance(node.func, ast.Attribute)
+        and node.func.attr in _SAME_SHAPE_METHODS
+        and _scalar_tensor(source, node.func.value)
+    ):
+        return True
+    dotted = source.resolve(node.func) or ""
+    if not dotted.startswith("torch."):
+        return False
+    name = dotted[len("torch.") :]
+    if name in _SCALAR_WRAPPERS:
+        if len(node.args) != 1:
+            return False
+        arg = node.args[0]
+        if isinstance(arg, (ast.List, ast.Tuple)):
+            return len(arg.elts) == 1 and _number(arg.elts[0])
+        return _number(arg)
+    if name not in _FACTORIES:
+        return False
+    shape_args = node.args[:1] if name == "full" else list(node.args)
+    if len(shape_args) == 1 and isinstance(shape_args[0], (ast.Tuple, ast.List)):
+        shape_args = list(shape_args[0].elts)
+    return len(shape_args) <= 1 and all(
+        isinstance(a, ast.Constant) and a.value == 1 and not isinstance(a.value, bool)
+        for a in shape_args
+    )
+
+
+def _number(node: ast.AST) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        node = node.operand
+    return (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, (int, float))
+        and not isinstance(node.value, bool)
+    )
+
+
+def _number_like(node: ast.AST) -> bool:
+    """A constant or a plain name (`init_value * torch.ones(1)`): not a tensor of its own shape."""
+    return _number(node) or isinstance(node, (ast.Name, ast.Attribute))
+
+
+def _is_false(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value is False
 
 
 def _deciding_region(test: ast.AST, parents: dict[ast.AST, ast.AST]) -> list[ast.AST]:

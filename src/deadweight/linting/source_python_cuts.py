@@ -2,8 +2,10 @@
 
 For every class with a `forward`, the trainable attributes it creates
 (`self.w = nn.Parameter(...)`, `self.proj = nn.Linear(...)`, an instance of a
-trainable class of the same file) are followed through `forward` and the methods
-and module-level functions of the file that it calls, with a small data-flow
+trainable class of the same file, and the members of containers built in place,
+`self.transformer.ln_f`: see `source_python_layout`) are followed through `forward`
+and the methods, module-level functions and stored lambdas of the file that it
+calls, with a small data-flow
 analysis: each value carries tags saying which attributes it came from and whether
 its gradient was cut on the way (`torch.no_grad()` / `inference_mode()` blocks and
 decorators, `.detach()`, `.data`, `.item()`, `.tolist()`, `.numpy()`, `float()`,
@@ -14,8 +16,10 @@ Metadata (`.shape`, `.dtype`, `.size()`, `len()`, comparisons, conditions) carri
 no gradient and no tag. Assignments replace a name's tags; branches and loops
 merge them. An attribute is *live* when an uncut value of it reaches the output of
 forward, or of another method of the class that is not clearly inference-only, or
-is stored on the module. A cut is reported with the attributes whose values cross it
-into forward's output.
+is stored on the module (storing into a parameter itself, nanoGPT's
+`self.transformer.wpe.weight = nn.Parameter(...)`, is not a use of it), or is tied
+to a live one (`self.transformer.wte.weight = self.lm_head.weight`). A cut is
+reported with the attributes whose values cross it into forward's output.
 """
 
 from __future__ import annotations
@@ -31,30 +35,21 @@ from deadweight.linting.python_facts import (
     TrainableAttribute,
     snippet,
 )
+from deadweight.linting.source_python_layout import (
+    Layout,
+    Layouts,
+    Path,
+    is_false,
+    is_self,
+    self_chains,
+    self_path,
+    statements,
+)
 
 Tag = tuple  # ("L", attr) | ("C", attr, site) | ("P", param) | ("Q", param, site)
 Tags = frozenset
 
 EMPTY: Tags = frozenset()
-
-# nn modules without parameters: cutting them loses nothing.
-PARAMETER_FREE = frozenset({
-    "Identity", "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout",
-    "FeatureAlphaDropout", "ReLU", "ReLU6", "GELU", "SiLU", "Mish", "Tanh", "Sigmoid",
-    "Hardtanh", "Hardswish", "Hardsigmoid", "LeakyReLU", "ELU", "SELU", "CELU", "GLU",
-    "Softplus", "Softsign", "Softmax", "Softmax2d", "LogSoftmax", "Softmin", "Tanhshrink",
-    "Threshold", "LogSigmoid", "Softshrink", "Hardshrink", "Flatten", "Unflatten",
-    "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
-    "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "AdaptiveMaxPool1d",
-    "AdaptiveMaxPool2d", "AdaptiveMaxPool3d", "LPPool1d", "LPPool2d", "Upsample",
-    "UpsamplingNearest2d", "UpsamplingBilinear2d", "PixelShuffle", "PixelUnshuffle",
-    "ChannelShuffle", "ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "ConstantPad1d",
-    "ConstantPad2d", "ConstantPad3d", "ReflectionPad1d", "ReflectionPad2d",
-    "ReflectionPad3d", "ReplicationPad1d", "ReplicationPad2d", "ReplicationPad3d",
-    "CircularPad1d", "CircularPad2d", "CircularPad3d", "Fold", "Unfold",
-    "CosineSimilarity", "PairwiseDistance", "Module", "Buffer",
-})  # fmt: skip
-CONTAINERS = frozenset({"ModuleList", "ModuleDict", "Sequential", "ParameterList", "ParameterDict"})
 
 GRAD_OFF = {
     "torch.no_grad": "no_grad",
@@ -102,7 +97,6 @@ NO_VALUE_FUNCS = frozenset({"len", "isinstance", "issubclass", "type", "id", "ha
                             "print", "repr", "str", "format", "int", "bool", "range", "getattr",
                             "enumerate_", "hash", "dir", "vars"})  # fmt: skip
 MUTATORS = frozenset({"append", "extend", "insert", "update", "add", "appendleft", "setdefault"})
-PARAMETER_CONSTRUCTORS = {"torch.nn.Parameter", "torch.nn.parameter.Parameter", "Parameter"}
 
 # Methods that do not train: uses there neither count as live nor hold cuts.
 INFERENCE_PREFIXES = ("generate", "predict", "infer", "sample", "eval", "validation_", "test_",
@@ -137,14 +131,10 @@ def _grad_off_decorator(
         target = dec.func if isinstance(dec, ast.Call) else dec
         dotted = source.resolve(target)
         if dotted in GRAD_OFF:
-            if isinstance(dec, ast.Call) and dec.args and _is_false(dec.args[0]):
+            if isinstance(dec, ast.Call) and dec.args and is_false(dec.args[0]):
                 continue  # inference_mode(False)
             return dec
     return None
-
-
-def _is_false(node: ast.AST) -> bool:
-    return isinstance(node, ast.Constant) and node.value is False
 
 
 class _Module:
@@ -166,7 +156,7 @@ class _Module:
                 stack.extend(stmt.body)
                 stack.extend(stmt.orelse)
                 stack.extend(getattr(stmt, "finalbody", []))
-        self._trainable: dict[str, bool] = {}
+        self.layouts = Layouts(source, self.classes)
         self._line_starts: list[int] | None = None
         # Names under which a cut can appear in this file: the words themselves and
         # any import alias of a grad-off context or tensor rebuild.
@@ -176,7 +166,6 @@ class _Module:
         self.cutting_functions = [
             name for name, fn in self.functions.items() if self._has_cut_words(fn)
         ]
-        self._attrs: dict[str, dict[str, str]] = {}
         self.function_summaries: dict[str, Tags] = {}
         self.in_progress: set[str] = set()
 
@@ -218,141 +207,13 @@ class _Module:
                 return True
         return False
 
-    # -- which classes hold trainable state
 
-    def trainable_attributes(self, cls: ast.ClassDef) -> dict[str, str]:
-        """attribute -> constructor, for the parameters and trainable submodules `cls` creates."""
-        if cls.name in self._attrs:
-            return self._attrs[cls.name]
-        self._attrs[cls.name] = {}  # recursion guard
-        attrs: dict[str, str] = {}
-        for base in cls.bases:
-            dotted = self.source.resolve(base) or ""
-            if dotted.startswith("torch.nn.") and self._nn_trainable(dotted):
-                attrs.update(weight=dotted.replace("torch.nn.", "nn."),
-                             bias=dotted.replace("torch.nn.", "nn."))  # fmt: skip
-        for fn in cls.body:
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            for stmt in _statements(fn.body):
-                node: ast.AST = stmt.value if isinstance(stmt, ast.Expr) else stmt
-                targets: list[ast.expr] = []
-                value: ast.AST | None = None
-                if isinstance(node, ast.Assign):
-                    targets, value = node.targets, node.value
-                elif isinstance(node, ast.AnnAssign) and node.value is not None:
-                    targets, value = [node.target], node.value
-                elif (
-                    isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Attribute)
-                    and _is_self(node.func.value)
-                    and node.func.attr in ("register_parameter", "add_module", "register_module")
-                    and len(node.args) == 2
-                    and isinstance(node.args[0], ast.Constant)
-                    and isinstance(node.args[0].value, str)
-                ):
-                    ctor = self.constructor(node.args[1])
-                    if ctor:
-                        attrs[node.args[0].value] = ctor
-                    continue
-                elif (
-                    isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("append", "extend")
-                    and isinstance(node.func.value, ast.Attribute)
-                    and _is_self(node.func.value.value)
-                    and node.args
-                ):
-                    ctor = self.constructor(node.args[0])
-                    if ctor:
-                        attrs.setdefault(node.func.value.attr, ctor)
-                    continue
-                if value is None:
-                    continue
-                for target in targets:
-                    if isinstance(target, ast.Attribute) and _is_self(target.value):
-                        ctor = self.constructor(value)
-                        if ctor:
-                            attrs[target.attr] = ctor
-        for base in cls.bases:
-            local = self.classes.get(base.id) if isinstance(base, ast.Name) else None
-            if local is not None and local is not cls:
-                for name, ctor in self.trainable_attributes(local).items():
-                    attrs.setdefault(name, ctor)
-        self._attrs[cls.name] = attrs
-        return attrs
-
-    def constructor(self, value: ast.AST) -> str | None:
-        """How `value` builds trainable state (e.g. "nn.Linear"), or None."""
-        if isinstance(value, ast.IfExp):
-            return self.constructor(value.body) or self.constructor(value.orelse)
-        if isinstance(value, (ast.List, ast.Tuple)):
-            return next((c for c in map(self.constructor, value.elts) if c), None)
-        if isinstance(value, (ast.ListComp, ast.GeneratorExp)):
-            return self.constructor(value.elt)
-        if isinstance(value, ast.DictComp):
-            return self.constructor(value.value)
-        if isinstance(value, ast.Dict):
-            return next((c for c in map(self.constructor, value.values) if c), None)
-        if not isinstance(value, ast.Call):
-            return None
-        dotted = self.source.resolve(value.func) or ""
-        if dotted in PARAMETER_CONSTRUCTORS or dotted.endswith("nn.Parameter"):
-            if any(k.arg == "requires_grad" and _is_false(k.value) for k in value.keywords):
-                return None
-            return "nn.Parameter"
-        if dotted.startswith("torch.nn.utils."):
-            return next((c for c in map(self.constructor, value.args) if c), None)
-        if dotted.startswith("torch.nn.") and "." not in dotted[len("torch.nn.") :]:
-            name = dotted[len("torch.nn.") :]
-            if name in CONTAINERS:
-                parts = [*value.args, *(k.value for k in value.keywords)]
-                inner = next((c for c in map(self.constructor, parts) if c), None)
-                return f"nn.{name} of {inner}" if inner else None
-            if not self._nn_trainable(dotted):
-                return None
-            if any(
-                k.arg in ("elementwise_affine", "affine") and _is_false(k.value)
-                for k in value.keywords
-            ):
-                return None
-            return f"nn.{name}"
-        if isinstance(value.func, ast.Name) and value.func.id in self.classes:
-            cls = self.classes[value.func.id]
-            if self.class_trainable(cls):
-                return cls.name
-        return None
-
-    def _nn_trainable(self, dotted: str) -> bool:
-        name = dotted.rsplit(".", 1)[-1]
-        return not (name in PARAMETER_FREE or name.endswith("Loss") or name in CONTAINERS)
-
-    def class_trainable(self, cls: ast.ClassDef) -> bool:
-        if cls.name not in self._trainable:
-            self._trainable[cls.name] = False  # recursion guard
-            self._trainable[cls.name] = bool(self.trainable_attributes(cls))
-        return self._trainable[cls.name]
-
-
-def _statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
-    """Every statement in a body, nested ones included, but not inside nested functions."""
-    stack = list(reversed(body))
-    while stack:
-        stmt = stack.pop()
-        yield stmt
-        for field_name in ("body", "orelse", "finalbody"):
-            inner = getattr(stmt, field_name, None)
-            if inner and not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                               ast.ClassDef, ast.Lambda)):  # fmt: skip
-                stack.extend(reversed(inner))
-        for handler in getattr(stmt, "handlers", []):
-            stack.extend(reversed(handler.body))
-        for case in getattr(stmt, "cases", []):
-            stack.extend(reversed(case.body))
-
-
-def _is_self(node: ast.AST, name: str = "self") -> bool:
-    return isinstance(node, ast.Name) and node.id == name
+@dataclass(frozen=True)
+class _Callable:
+    body: ast.Lambda
+    where: ast.FunctionDef | ast.AsyncFunctionDef
+    self_name: str
+    aliases: dict[str, ast.expr]
 
 
 @dataclass
@@ -365,17 +226,79 @@ class _Summary:
 class _ClassFlow:
     module: _Module
     cls: ast.ClassDef
+    layout: Layout = field(init=False)
     attrs: dict[str, str] = field(init=False)
     methods: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = field(init=False)
     summaries: dict[str, _Summary] = field(default_factory=dict)
     in_progress: set[str] = field(default_factory=set)
     site_function: dict[ast.AST, str] = field(default_factory=dict)
     site_kind: dict[ast.AST, str] = field(default_factory=dict)
+    _callables: dict[str, _Callable] | None = None
 
     def __post_init__(self) -> None:
-        self.attrs = self.module.trainable_attributes(self.cls)
+        self.layout = self.module.layouts.layout(self.cls)
+        self.attrs = self.layout.attrs
         self.methods = {}
         self._collect_methods(self.cls, set())
+
+    @property
+    def callables(self) -> dict[str, _Callable]:
+        """`self.mlpf = lambda x: m.c_proj(m.c_fc(x))` (minGPT): the lambda, where it was
+        written, and the method's local names for submodules (`m = self.mlp`)."""
+        if self._callables is None:
+            self._callables = self._collect_callables()
+        return self._callables
+
+    def leaves(
+        self,
+        node: ast.AST,
+        self_name: str | None,
+        *,
+        exact: bool = True,
+        aliases: dict[str, Path] | None = None,
+    ) -> frozenset[str] | None:
+        """The trainable leaves an access of `self` (or of a local name for a submodule,
+        `aliases`) reaches; see `Layout.resolve`."""
+        path = self_path(node, self_name, aliases) if self_name is not None else None
+        return None if path is None else self.layout.resolve(path, exact=exact)
+
+    def _collect_callables(self) -> dict[str, _Callable]:
+        found: dict[str, _Callable] = {}
+        for fn in self.methods.values():
+            args = [*fn.args.posonlyargs, *fn.args.args]
+            me = args[0].arg if args else "self"
+            aliases: dict[str, ast.expr] = {}
+            for stmt in statements(fn.body):
+                if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+                    continue
+                target, value = stmt.targets[0], stmt.value
+                if isinstance(target, ast.Name) and self_path(value, me) is not None:
+                    aliases[target.id] = value
+                elif (
+                    isinstance(target, ast.Attribute)
+                    and is_self(target.value, me)
+                    and isinstance(value, ast.Lambda)
+                    and target.attr not in self.attrs
+                    and target.attr not in self.methods
+                ):
+                    found.setdefault(target.attr, _Callable(value, fn, me, dict(aliases)))
+        return found
+
+    def _ties(self) -> list[tuple[frozenset[str], frozenset[str]]]:
+        """`self.transformer.wte.weight = self.lm_head.weight`: one tensor under two names,
+        so either one's gradient reaches both."""
+        ties = []
+        for fn in self.methods.values():
+            args = [*fn.args.posonlyargs, *fn.args.args]
+            me = args[0].arg if args else "self"
+            for node in statements(fn.body):
+                if isinstance(node, ast.Assign):
+                    value = self.leaves(node.value, me, exact=False)
+                    for target in node.targets:
+                        held = self.leaves(target, me, exact=False)
+                        if value and held and value != held:
+                            ties.append((held, value))
+        return ties
 
     def _collect_methods(self, cls: ast.ClassDef, seen: set[str]) -> None:
         seen.add(cls.name)
@@ -405,6 +328,14 @@ class _ClassFlow:
             live.update(t[1] for t in (*other.returns, *other.state) if t[0] == "L")
         for summary in list(self.summaries.values()):
             live.update(t[1] for t in summary.state if t[0] == "L")
+        ties = self._ties()
+        spread = True
+        while spread:  # a tied weight learns if either name of it does
+            spread = False
+            for held, value in ties:
+                if (live & held or live & value) and not (held | value) <= live:
+                    live |= held | value
+                    spread = True
         frozen = self._frozen()
         involved = {a for names in crossing.values() for a in names}
         attributes = {
@@ -479,20 +410,35 @@ class _ClassFlow:
                     and isinstance(node.func, ast.Attribute)
                     and node.func.attr == "requires_grad_"
                     and (
-                        any(_is_false(a) for a in node.args)
+                        any(is_false(a) for a in node.args)
                         or any(
-                            k.arg == "requires_grad" and _is_false(k.value) for k in node.keywords
+                            k.arg == "requires_grad" and is_false(k.value) for k in node.keywords
                         )
                     )
                 ):
-                    frozen.update(_self_roots(node.func.value))
-                elif isinstance(node, ast.Assign) and _is_false(node.value):
+                    frozen.update(self._roots(node.func.value))
+                elif isinstance(node, ast.Assign) and is_false(node.value):
                     for target in node.targets:
                         if isinstance(target, ast.Attribute) and target.attr == "requires_grad":
-                            frozen.update(_self_roots(target.value))
+                            frozen.update(self._roots(target.value))
                 elif isinstance(node, ast.For) and _freezes_loop_variable(node):
-                    frozen.update(_self_roots(node.iter))
+                    frozen.update(self._roots(node.iter))
         return frozen
+
+    def _roots(self, node: ast.AST) -> set[str]:
+        """`self.enc.layer` -> {"enc"}; `self.transformer.wte` -> {"transformer.wte"};
+        `self` itself and `self.parameters()` -> {"*"}."""
+        out: set[str] = set()
+        for path in self_chains(node):
+            if not path or path[0] in ("parameters", "named_parameters"):
+                out.add("*")
+                continue
+            leaves = self.layout.resolve(path, exact=False)
+            if leaves is None:
+                out.add(str(path[0]))
+            else:
+                out.update(leaves)
+        return out
 
 
 def _freezes_loop_variable(loop: ast.For) -> bool:
@@ -500,7 +446,7 @@ def _freezes_loop_variable(loop: ast.For) -> bool:
         return False
     names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
     for node in ast.walk(loop):
-        if isinstance(node, ast.Assign) and _is_false(node.value):
+        if isinstance(node, ast.Assign) and is_false(node.value):
             for t in node.targets:
                 if (
                     isinstance(t, ast.Attribute)
@@ -514,21 +460,10 @@ def _freezes_loop_variable(loop: ast.For) -> bool:
             and node.func.attr == "requires_grad_"
             and isinstance(node.func.value, ast.Name)
             and node.func.value.id in names
-            and any(_is_false(a) for a in node.args)
+            and any(is_false(a) for a in node.args)
         ):
             return True
     return False
-
-
-def _self_roots(node: ast.AST) -> set[str]:
-    """`self.enc.layer` -> {"enc"}; `self` itself -> {"*"}; `self.parameters()` -> {"*"}."""
-    out: set[str] = set()
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Attribute) and _is_self(sub.value):
-            out.add("*" if sub.attr in ("parameters", "named_parameters") else sub.attr)
-    if _is_self(node):
-        out.add("*")
-    return out
 
 
 def _position(node: ast.AST) -> tuple[int, int]:
@@ -576,6 +511,7 @@ class _FunctionFlow:
         self.kwarg = args.kwarg.arg if args.kwarg else None
         self.returns: set[Tag] = set()
         self.state: set[Tag] = set()
+        self.aliases: dict[str, Path] = {}  # local names that stand for a submodule
 
     def run(self) -> _Summary:
         env: dict[str, Tags] = {}
@@ -680,12 +616,12 @@ class _FunctionFlow:
         target = expr.func if isinstance(expr, ast.Call) else expr
         dotted = self.source.resolve(target)
         if dotted in GRAD_OFF:
-            if isinstance(expr, ast.Call) and expr.args and _is_false(expr.args[0]):
+            if isinstance(expr, ast.Call) and expr.args and is_false(expr.args[0]):
                 return site
             self._note(expr, GRAD_OFF[dotted])
             return expr
         if dotted in GRAD_SWITCH and isinstance(expr, ast.Call) and expr.args:
-            if _is_false(expr.args[0]):
+            if is_false(expr.args[0]):
                 self._note(expr, "set_grad_enabled(False)")
                 return expr
             return site  # decided at run time (often `self.training`): not a known cut
@@ -724,6 +660,11 @@ class _FunctionFlow:
         elif isinstance(target, ast.Starred):
             self.bind(target.value, tags, env)
         elif isinstance(target, (ast.Attribute, ast.Subscript)):
+            # Storing into a parameter of the module (`self.wpe.weight = nn.Parameter(
+            # self.wpe.weight[:n])`) replaces it: its own value is not thereby used.
+            own = self.owner.leaves(target, self.self_name, exact=False, aliases=self.aliases)
+            if own:
+                tags = frozenset(t for t in tags if not (t[0] == "L" and t[1] in own))
             self.merge_into(target.value, tags, env)
 
     def merge_into(self, target: ast.expr, tags: Tags, env: dict[str, Tags]) -> None:
@@ -749,6 +690,9 @@ class _FunctionFlow:
         if isinstance(node, ast.Call):
             return self.call(node, env, site)
         if isinstance(node, ast.Subscript):
+            leaves = self.owner.leaves(node, self.self_name, aliases=self.aliases)
+            if leaves is not None:  # self.transformer.h[0], self.heads["q"]
+                return _cut({("L", a) for a in leaves}, site)
             return self.expr(node.value, env, site)
         if isinstance(node, ast.IfExp):
             return self.expr(node.body, env, site) | self.expr(node.orelse, env, site)
@@ -782,17 +726,18 @@ class _FunctionFlow:
     def attribute(self, node: ast.Attribute, env: dict[str, Tags], site: ast.AST | None) -> Tags:
         if node.attr in METADATA_ATTRS or node.attr in INTEGER_ATTRS:
             return EMPTY
-        if self.self_name is not None and _is_self(node.value, self.self_name):
-            if node.attr in self.owner.attrs:
-                return _cut({("L", node.attr)}, site)
+        if node.attr == "data" and isinstance(node.ctx, ast.Load):
+            self._note(node, ".data")
+            return self.expr(node.value, env, node)
+        leaves = self.owner.leaves(node, self.self_name, aliases=self.aliases)
+        if leaves is not None:  # self.proj, self.transformer.ln_f, self.transformer (all of it)
+            return _cut({("L", a) for a in leaves}, site)
+        if self.self_name is not None and is_self(node.value, self.self_name):
             method = self.owner.methods.get(node.attr)
             if method is not None:  # a property, or a bound method passed along
                 summary = self.owner.summary(node.attr)
                 return _cut((t for t in summary.returns if t[0] in "LC"), site)
             return EMPTY
-        if node.attr == "data" and isinstance(node.ctx, ast.Load):
-            self._note(node, ".data")
-            return self.expr(node.value, env, node)
         return self.expr(node.value, env, site)
 
     def call(self, node: ast.Call, env: dict[str, Tags], site: ast.AST | None) -> Tags:
@@ -809,7 +754,19 @@ class _FunctionFlow:
                 return self._args(node, env, node)
             if (
                 self.self_name is not None
-                and _is_self(func.value, self.self_name)
+                and is_self(func.value, self.self_name)
+                and attr in self.owner.callables
+                and f"<lambda>{attr}" not in self.owner.in_progress
+            ):
+                key = f"<lambda>{attr}"
+                self.owner.in_progress.add(key)
+                try:
+                    return self._call_lambda(self.owner.callables[attr], node, env, site)
+                finally:
+                    self.owner.in_progress.discard(key)
+            if (
+                self.self_name is not None
+                and is_self(func.value, self.self_name)
                 and attr in self.owner.methods
                 and attr not in self.owner.attrs
             ):
@@ -840,6 +797,27 @@ class _FunctionFlow:
             self._note(node, "tensor rebuild")
             return self._args(node, env, node)
         return self.expr(func, env, site) | self._args(node, env, site)
+
+    def _call_lambda(
+        self, fn: _Callable, node: ast.Call, env: dict[str, Tags], site: ast.AST | None
+    ) -> Tags:
+        """A lambda stored on the module, run where it was written: its parameters take
+        the call's arguments, the names it closes over their submodules."""
+        flow = _FunctionFlow(self.owner, fn.where, f"{self.owner.cls.name}.{fn.where.name}",
+                             method=True)  # fmt: skip
+        inner: dict[str, Tags] = {}
+        for name, value in fn.aliases.items():
+            path = self_path(value, fn.self_name)
+            if path is not None:
+                flow.aliases[name] = path
+            inner[name] = flow.expr(value, {}, None)
+        params = [a.arg for a in (*fn.body.args.posonlyargs, *fn.body.args.args)]
+        for name, arg in zip(params, node.args, strict=False):
+            inner[name] = self.expr(arg, env, site)
+        for keyword in node.keywords:
+            if keyword.arg in params:
+                inner[keyword.arg] = self.expr(keyword.value, env, site)
+        return _cut(flow.expr(fn.body.body, inner, None), site)
 
     def _integer_cast(self, node: ast.Call) -> bool:
         """`x.to(torch.long)`, `x.to(dtype=torch.int32)`, `x.type(torch.bool)`."""

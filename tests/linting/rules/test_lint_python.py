@@ -197,6 +197,95 @@ CUT_CASES = {
         """,
         {"blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.fc.weight", "blocks.1.fc.bias"},
     ),
+    "one member of a ModuleList, by index": (
+        """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 1)])
+
+            def forward(self, x):
+                h = self.layers[0](x).detach()  # DW501
+                return self.layers[1](h)
+        """,
+        {"layers.0.weight", "layers.0.bias"},
+    ),
+    "one member of a Sequential under no_grad": (
+        """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+
+            def forward(self, x):
+                with torch.no_grad():  # DW501
+                    h = self.net[1](self.net[0](x))
+                return self.net[2](h)
+        """,
+        {"net.0.weight", "net.0.bias"},
+    ),
+    "one head of a ModuleDict, by key": (
+        """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.heads = nn.ModuleDict({"enc": nn.Linear(4, 4), "out": nn.Linear(4, 1)})
+
+            def forward(self, x):
+                h = self.heads["enc"](x)
+                return self.heads["out"](h.detach())  # DW501
+        """,
+        {"heads.enc.weight", "heads.enc.bias"},
+    ),
+    "a ModuleDict of dict(...), nested containers and a loop over one": (
+        """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = nn.ModuleDict(dict(
+                    stem=nn.Linear(4, 4),
+                    h=nn.ModuleList([nn.Linear(4, 4) for _ in range(2)]),
+                    head=nn.Sequential(nn.GELU(), nn.Linear(4, 1)),
+                ))
+
+            def forward(self, x):
+                x = self.body.stem(x)
+                for layer in self.body.h:
+                    x = layer(x)
+                return self.body.head(x.detach())  # DW501
+        """,
+        {
+            "body.stem.weight",
+            "body.stem.bias",
+            "body.h.0.weight",
+            "body.h.0.bias",
+            "body.h.1.weight",
+            "body.h.1.bias",
+        },
+    ),
+    "blocks in a Sequential built from a starred list (minGPT's first layout)": (
+        """
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x):
+                return x + self.fc(x)
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.Sequential(*[Block() for _ in range(2)])
+                self.head = nn.Linear(4, 1)
+
+            def forward(self, x):
+                with torch.no_grad():  # DW501
+                    x = self.blocks(x)
+                return self.head(x)
+        """,
+        {"blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.fc.weight", "blocks.1.fc.bias"},
+    ),
 }
 
 
@@ -414,6 +503,52 @@ HEALTHY = {
                 chosen = scores.argmax(-1)
                 return scores.topk(2, dim=-1).indices.to(torch.int32), chosen.long()
     """,
+    "tied weights: the cut copy is the same tensor as a live one": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.proj_in = nn.Linear(4, 4, bias=False)
+                self.proj_out = nn.Linear(4, 4, bias=False)
+                self.proj_out.weight = self.proj_in.weight
+
+            def forward(self, x):
+                h = self.proj_in(x).detach()
+                return self.proj_out(h)
+    """,
+    "a ModuleDict member picked by a key known only at run time": """
+        class M(nn.Module):
+            def __init__(self, task="enc"):
+                super().__init__()
+                self.heads = nn.ModuleDict({"enc": nn.Linear(4, 4), "dec": nn.Linear(4, 4)})
+                self.task = task
+
+            def forward(self, x):
+                h = self.heads["enc"](x).detach()
+                return self.heads[self.task](h)
+    """,
+    "a container changed after it is built": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Identity()})
+                self.blocks["b"] = self.blocks["a"]  # its keys no longer say what they hold
+
+            def forward(self, x):
+                h = self.blocks["a"](x).detach()
+                return self.blocks["b"](h)
+    """,
+    "a parameter replaced by a slice of itself (nanoGPT's crop_block_size)": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.parts = nn.ModuleDict(dict(wpe=nn.Embedding(8, 4), head=nn.Linear(4, 1)))
+
+            def forward(self, x):
+                return self.parts.head(x + self.parts.wpe.weight[: x.shape[0]])
+
+            def crop(self, n):
+                self.parts.wpe.weight = nn.Parameter(self.parts.wpe.weight[:n].detach())
+    """,
     "scalar used in a condition and in math": """
         class M(nn.Module):
             def __init__(self):
@@ -440,6 +575,9 @@ def test_dw501_quiet_cases_really_train(tmp_path: Path) -> None:
         ("straight-through estimator", set()),
         ("stop-gradient on one of two branches", set()),
         ("detach for logging and metrics", set()),
+        ("tied weights: the cut copy is the same tensor as a live one", set()),
+        ("a container changed after it is built", set()),
+        ("a parameter replaced by a slice of itself (nanoGPT's crop_block_size)", set()),
     ]:
         path = write(tmp_path, src(HEALTHY[case]), f"{case.replace(' ', '_')}.py")
         assert without_grad(load(path).M(), torch.randn(3, 4)) == expected, case
@@ -467,7 +605,7 @@ NANOGPT = """
 def configure_optimizers(self, weight_decay, learning_rate):
     param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
     decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]  # DW502
-    nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]  # DW502
+    nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]  # its partner
     optim_groups = [
         {"params": decay_params, "weight_decay": weight_decay},
         {"params": nodecay_params, "weight_decay": 0.0},
@@ -477,13 +615,39 @@ def configure_optimizers(self, weight_decay, learning_rate):
 
 OTHER_FORMS = """
 def groups(model, wd):
-    out = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": wd}]  # DW502
+    return [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": wd}]  # DW502
+
+
+def per_parameter(model, wd):
     for name, p in model.named_parameters():
         p_wd = 0.0 if p.ndimension() == 1 else wd  # DW502
+
+
+def flags(model):
+    for name, p in model.named_parameters():
         no_decay = p.ndim < 2 or name.endswith(".bias")  # DW502
+
+
+def skipping(model):
     decay = []
     for p in model.parameters():
         if len(p.size()) <= 1:  # DW502
+            continue
+        decay.append(p)
+    return decay
+"""
+
+# One function, two rules: `>= 2`, `< 2` and `<= 1` draw the same line (one rule, written
+# three times); `== 1` draws another (a rank-0 tensor is decayed by it).
+ONE_FUNCTION = """
+def groups(model, wd):
+    out = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": wd}]  # DW502
+    for name, p in model.named_parameters():
+        p_wd = 0.0 if p.ndimension() == 1 else wd  # DW502
+        no_decay = p.ndim < 2 or name.endswith(".bias")  # partner
+    decay = []
+    for p in model.parameters():
+        if len(p.size()) <= 1:  # partner
             continue
         decay.append(p)
     return out, decay
@@ -545,6 +709,26 @@ def test_dw502_fires_at_the_rank_test(tmp_path: Path, source: str) -> None:
     source = HEADER + source
     report = lint_source(tmp_path, source)
     assert lines_of(report, "DW502") == marked(source, "DW502")
+
+
+def test_dw502_reports_one_rule_once_with_its_partners(tmp_path: Path) -> None:
+    source = HEADER + NANOGPT
+    (finding,) = lint_source(tmp_path, source).by_code("DW502")
+    (line,) = marked(source, "its partner")
+    assert finding.location.line == marked(source, "DW502")[0]
+    column = textwrap.dedent(source).lstrip("\n").splitlines()[line - 1].index("p.dim() < 2") + 1
+    assert finding.evidence["partners"] == [
+        {"line": line, "column": column, "expression": "p.dim() < 2"}
+    ]
+    assert "(with its partner `p.dim() < 2`)" in finding.message
+    source = HEADER + ONE_FUNCTION
+    report = lint_source(tmp_path, source)
+    assert lines_of(report, "DW502") == marked(source, "DW502")
+    first, second = report.by_code("DW502")
+    assert [p["line"] for p in first.evidence["partners"]] == marked(source, "partner")
+    assert [p["expression"] for p in first.evidence["partners"]] == ["p.ndim < 2",
+                                                                      "len(p.size()) <= 1"]  # fmt: skip
+    assert second.evidence["partners"] == []
 
 
 def test_dw502_seed_position_and_fix(tmp_path: Path) -> None:

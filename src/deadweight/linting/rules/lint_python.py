@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 from deadweight.findings import Finding, Severity
-from deadweight.linting.python_facts import PythonSourceFacts
+from deadweight.linting.python_facts import (
+    PythonRunFacts,
+    PythonSourceFacts,
+    RankDecayChoice,
+    ScalarParameter,
+)
 from deadweight.linting.rules._source import location
 from deadweight.registry import get_rule, rule
 
@@ -25,8 +31,18 @@ _CUT_WORDING = {
 }
 
 
+def _access(name: str) -> str:
+    """An attribute path as the source spells it: "transformer.h.0" -> `self.transformer.h[0]`."""
+    text = "self"
+    for part in name.split("."):
+        text += (
+            f"[{part}]" if part.isdigit() else f".{part}" if part.isidentifier() else f"[{part!r}]"
+        )
+    return f"`{text}`"
+
+
 def _names(names: list[str]) -> str:
-    quoted = [f"`self.{n}`" for n in names]
+    quoted = [_access(n) for n in names]
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
@@ -48,9 +64,20 @@ def forward_gradient_cut(facts: PythonSourceFacts) -> Iterator[Finding]:
     `.data`, `.item()` / `.tolist()` / `.numpy()` / `float()` turned back into tensor
     math, or a tensor rebuilt with `torch.tensor(...)`.
 
+    Containers built in place are followed member by member: nanoGPT's and minGPT's
+    `self.transformer = nn.ModuleDict(dict(wte=..., h=nn.ModuleList([...]),
+    ln_f=...))` gives `self.transformer.wte`, `self.transformer.h` and
+    `self.transformer.ln_f`, reached by attribute, key or index
+    (`self.transformer["ln_f"]`, `self.mlp[0]`) and by loops over them; a key known
+    only at run time reaches every member. A container built from a comprehension or
+    `*layers`, or changed after it is built, counts as one submodule. A lambda stored
+    on the module (minGPT's `self.mlpf = lambda x: m.c_proj(m.c_fc(x))`) is followed
+    where it is called.
+
     It stays quiet when any value of the attribute reaches an output with its
     gradient intact (a straight-through estimator, a detached copy kept for
-    logging, a stop-gradient on one of two branches), when the cut value never
+    logging, a stop-gradient on one of two branches, a weight tied to one that
+    learns, as nanoGPT's `wte` is to `lm_head`), when the cut value never
     reaches the output (a metric, a printed loss, a shape), when the class turns
     the gradient off itself (`requires_grad_(False)`, `requires_grad = False`), and
     for classes that run their own backward pass (reversible layers).
@@ -79,7 +106,8 @@ def forward_gradient_cut(facts: PythonSourceFacts) -> Iterator[Finding]:
 
     ## Evidence
     - `class`: the module class.
-    - `attributes`: the parameters or submodules that get no gradient.
+    - `attributes`: the parameters or submodules that get no gradient, by the names torch
+      gives them (`transformer.ln_f`, `mlp.0`).
     - `cut`: the kind of cut (a no-grad block, `.detach()`, `.data`, `.item()`, ...).
     - `construct`: the code construct that cut it.
     """
@@ -114,9 +142,9 @@ def forward_gradient_cut(facts: PythonSourceFacts) -> Iterator[Finding]:
     name="shape-based-decay",
     severity=Severity.WARNING,
     summary="Weight-decay groups chosen by tensor rank (len(p.shape) == 1, p.ndim < 2, p.dim() >= 2).",
-    consumes=PythonSourceFacts,
+    consumes=PythonRunFacts,
 )
-def shape_based_decay(facts: PythonSourceFacts) -> Iterator[Finding]:
+def shape_based_decay(run: PythonRunFacts) -> Iterator[Finding]:
     """
     ## What it does
     Finds comparisons of a tensor's rank (`len(p.shape) == 1`, `len(p.size()) == 1`,
@@ -124,7 +152,25 @@ def shape_based_decay(facts: PythonSourceFacts) -> Iterator[Finding]:
     about weight decay: the `if` they test, the list they filter or the value they
     choose mentions decay (`no_decay`, `"weight_decay"`, `wd`). Shape checks that
     have nothing to do with weight decay (in `forward`, in weight initialisation)
-    are left alone.
+    are left alone. One rule written once per group, like nanoGPT's
+    `p.dim() >= 2` for the decayed parameters and `p.dim() < 2` for the others, is
+    reported once, at the first comparison, with the others of the same function
+    that draw the same line as its partners.
+
+    A warning says what will happen to the run; a choice that is exact and harmless
+    is info. So the finding is a warning when the code in sight of the rule creates
+    a parameter of shape `[]` or `[1]` (`nn.Parameter(torch.ones(1))`,
+    `torch.zeros(())`, `torch.tensor(0.5)`, `init * torch.ones(1)`, ...), the
+    tensor such a rule exempts by accident, named in the finding; and info when
+    none is in sight, because the rule then exempts only biases and normalization
+    weights, what it is meant to do, and harms nothing (stock nanoGPT, whose
+    `p.dim() < 2` group holds only biases and LayerNorm weights, lints to exit 0).
+    The info says what would change that. In sight are the rule's own file, the
+    linted files that import it, and every linted file those import, directly or
+    not: a `train.py` that imports `model.py`, or the scripts that import a helper
+    holding the rule and the models they import. A scalar in a test or another
+    model that none of them imports does not count, and neither does a model that
+    is not linted: lint the model files together with the training script.
 
     ## Why is this bad
     The rule is meant to exempt biases and normalization weights, but it exempts
@@ -137,7 +183,8 @@ def shape_based_decay(facts: PythonSourceFacts) -> Iterator[Finding]:
     ## Example
     ```python
     decay = [p for n, p in params.items() if p.dim() >= 2]      # DW502
-    no_decay = [p for n, p in params.items() if p.dim() < 2]    # DW502
+    no_decay = [p for n, p in params.items() if p.dim() < 2]    # its partner
+    self.scale = nn.Parameter(torch.ones(1))                    # makes it a warning
     ```
 
     ## Fix
@@ -149,16 +196,67 @@ def shape_based_decay(facts: PythonSourceFacts) -> Iterator[Finding]:
     ## Evidence
     - `expression`: the rank test (`p.ndim < 2`, `len(p.shape) == 1`, ...).
     - `decay_words`: the words nearby that tie it to weight decay.
+    - `partners`: the other comparisons of the same rule (`line`, `column`, `expression`).
+    - `scalar_parameters`: the parameters of shape [] or [1] the code in sight creates
+      (`file`, `line`, `parameter`, `construct`); empty when the finding is info.
     """
+    for facts in run.files:
+        if not facts.rank_decay:
+            continue
+        sight = run.in_sight.get(facts.path, frozenset({facts.path}))
+        scalars = [(other.path, p) for other in run.files if other.path in sight
+                   for p in other.scalar_parameters]  # fmt: skip
+        for choice in facts.rank_decay:
+            yield _decay_finding(facts.path, choice, scalars)
+
+
+def _decay_finding(
+    path: str, choice: RankDecayChoice, scalars: list[tuple[str, ScalarParameter]]
+) -> Finding:
+    # No line numbers in the message: SARIF fingerprints hash it, and must survive code
+    # moving. The lines are in the evidence.
+    rule_text = f"`{choice.expression}`"
+    if choice.partners:
+        quoted = [f"`{t.expression}`" for t in choice.partners]
+        listed = quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+        rule_text += f" (with its partner{'s' if len(quoted) > 1 else ''} {listed})"
+    evidence = {
+        "expression": choice.expression,
+        "decay_words": list(choice.decay_words),
+        "partners": [
+            {"line": t.span.line, "column": t.span.column, "expression": t.expression}
+            for t in choice.partners
+        ],
+        "scalar_parameters": [
+            {"file": file, "line": p.span.line, "parameter": p.target, "construct": p.construct}
+            for file, p in scalars
+        ],
+    }
+    where = location(path, choice.span, choice.function)
     rule_ = get_rule("DW502")
-    for choice in facts.rank_decay:
-        yield rule_.finding(
-            f"`{choice.expression}` picks weight-decay groups by tensor rank: every scalar and "
-            "1-D parameter (a layer scalar, a gain) is exempted along with biases and norm "
-            "weights. Use deadweight.param_groups(model, weight_decay=...) to decide by role.",
-            location=location(facts.path, choice.span, choice.function),
-            evidence={"expression": choice.expression, "decay_words": list(choice.decay_words)},
+    if not scalars:
+        return rule_.finding(
+            f"{rule_text} picks weight-decay groups by tensor rank. No file in sight of it "
+            "(this one, the linted files that import it and what they import) creates a "
+            "scalar or shape-[1] parameter, so today it exempts only biases and norm "
+            "weights; a layer scalar added later would be exempted too. "
+            "deadweight.param_groups(model, weight_decay=...) decides by role.",
+            location=where,
+            evidence=evidence,
+            severity=Severity.INFO,
         )
+    file, first = scalars[0]
+    name = f"`{first.target}`" if first.target else "a parameter"
+    elsewhere = "" if file == path else f" in {Path(file).name}"
+    count = "" if len(scalars) == 1 else f" ({len(scalars)} in all)"
+    return rule_.finding(
+        f"{rule_text} picks weight-decay groups by tensor rank, which exempts every scalar "
+        "and 1-D parameter along with biases and norm weights, and the code in sight "
+        f"creates one{count}: {name} (`{first.construct}`{elsewhere}). Use "
+        "deadweight.param_groups(model, weight_decay=...) to decide by role.",
+        location=where,
+        evidence=evidence,
+    )
 
 
 _GAP_WORDING = {
