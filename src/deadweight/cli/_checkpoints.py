@@ -21,6 +21,7 @@ from rich.text import Text
 from deadweight.checkpoints.readers import find_checkpoints
 from deadweight.checkpoints.readers.base import PASS_THROUGH, reading_error
 from deadweight.cli._common import add_html_option, add_report_options, emit
+from deadweight.cli._console import print_whole
 from deadweight.report import Report
 from deadweight.report.display import plain, safe_text
 
@@ -69,7 +70,7 @@ def finish(
     if args.format == "text":
         for table in tables:
             if table is not None:
-                Console().print(table)
+                print_whole(table)
         subject = {k: v for k, v in report.subject.items() if k not in _HEADER_CLASHES}
         code = emit(dataclasses.replace(report, subject=subject), args, html_report=report)
     else:
