@@ -67,22 +67,24 @@ _HEADER_CLASHES = ("optimizer", "steps")
 def finish(
     report: Report, args: argparse.Namespace, errors: list[str], *tables: Table | None
 ) -> int:
+    # Each once, on one line: a file named twice (a glob and its path) is one error.
+    every = [*errors, *report.subject.get("errors", [])]
+    unique = list(dict.fromkeys(" ".join(e.splitlines()) for e in every))
     if args.format == "text":
         for table in tables:
             if table is not None:
                 print_whole(table)
         subject = {k: v for k, v in report.subject.items() if k not in _HEADER_CLASHES}
+        subject["errors"] = unique  # the footer counts the inputs not read, named or not found
         code = emit(dataclasses.replace(report, subject=subject), args, html_report=report)
     else:
         code = emit(report, args)
     # The readers' notes: each file whose pickle --unsafe-pickle ran, each tensor not measured.
     for warning in report.subject.get("warnings", []):
         print(f"deadweight: warning: {warning}", file=sys.stderr)
-    # Each once, on one line: a file named twice (a glob and its path) is one error.
-    every = [*errors, *report.subject.get("errors", [])]
-    for error in dict.fromkeys(" ".join(e.splitlines()) for e in every):
+    for error in unique:
         print(f"deadweight: error: {error}", file=sys.stderr)
-    return 2 if errors or report.subject.get("errors") else code
+    return 2 if unique else code
 
 
 class progress_bar:
