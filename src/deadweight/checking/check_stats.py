@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from deadweight import param_roles, thresholds
+
+if TYPE_CHECKING:  # the rules (and `deadweight rules`) load this module without torch
+    import torch
+
+# torch.finfo(torch.float32).eps, the spacing of float32 values at 1.0: 2^-23.
+FLOAT32_EPS = 2.0**-23
 
 # -- where: source positions --------------------------------------------------------
 
@@ -284,7 +288,7 @@ class GradFlowStats:
     # on their way, or the pass off); only these get the numerical screens.
     unstructured: frozenset[str] = frozenset()
     structure_note: str | None = None
-    loss_eps: float = float(torch.finfo(torch.float32).eps)
+    loss_eps: float = FLOAT32_EPS
     optimizer_facts: OptimizerFacts | None = None
     # Parameters whose values a forward run by the check changed (and whether they
     # were put back): a forward that writes `.data` changes the model every step.

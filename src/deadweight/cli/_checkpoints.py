@@ -18,8 +18,6 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 from rich.text import Text
 
-from deadweight.checkpoints.readers import find_checkpoints
-from deadweight.checkpoints.readers.base import PASS_THROUGH, reading_error
 from deadweight.cli._common import add_html_option, add_report_options, emit
 from deadweight.cli._console import print_whole
 from deadweight.report import Report
@@ -42,6 +40,9 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
 def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
     """The checkpoints the inputs name, and an error for each input that names none; one
     input that cannot even be expanded is that input's error, the others still count."""
+    from deadweight.checkpoints.readers import find_checkpoints
+    from deadweight.checkpoints.readers.base import PASS_THROUGH, reading_error
+
     paths: list[str] = []
     seen: set[str] = set()
     errors: list[str] = []

@@ -8,7 +8,6 @@ import os
 import sys
 from typing import Any
 
-from deadweight.checking.api import check
 from deadweight.cli._common import (
     add_html_option,
     add_report_options,
@@ -34,6 +33,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from deadweight.checking.api import check  # torch: only when a check runs
+
     path, func_name = parse_target(args.target)
     # The file's own prints (at import, in the factory, in the forward or the loss) must
     # not mix with a JSON report on stdout.
