@@ -89,7 +89,6 @@ def test_a_capability_uses_another_only_through_its_entry_point() -> None:
 # Modules that only hold what was measured, beyond those named `*_stats` / `*_facts`.
 STATISTICS = {
     "deadweight.linting.source_files",  # Span, a source position (and the file reader's limits)
-    "deadweight.distributed.ranks",  # RankPresence, which ranks reported what
 }
 
 

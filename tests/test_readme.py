@@ -24,3 +24,13 @@ def test_quick_start_is_two_commands_and_ci_runs_the_second():
     ]
     ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
     assert commands[1] in ci
+
+
+def test_readme_says_the_tests_open_the_html_report_in_chromium_which_ci_installs():
+    quick = " ".join(README.split("## Quick start")[1].split("\n## ")[0].split())
+    assert "The HTML report's tests open the report in a real browser: Chromium" in quick
+    assert "`.ci/run` installs Debian's `chromium` package" in quick
+    ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
+    assert "apt-get install -y -qq chromium" in ci  # what the README promises
+    development = " ".join(README.split("## Development")[1].split())
+    assert "Chromium (for the HTML report's browser tests)" in development

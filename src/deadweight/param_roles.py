@@ -6,16 +6,32 @@ Shared by the optimizer audit (which parameters must not be decayed) and by the
 
 from __future__ import annotations
 
-from torch import nn
+import functools
+from typing import TYPE_CHECKING
 
-_NORM_TYPES: tuple[type, ...] = (
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.LocalResponseNorm,
-    nn.modules.batchnorm._NormBase,  # BatchNorm*d, SyncBatchNorm, InstanceNorm*d
-    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
-)
-_EMBEDDING_TYPES: tuple[type, ...] = (nn.Embedding, nn.EmbeddingBag)
+if TYPE_CHECKING:  # the rules read the role names below without importing torch
+    from torch import nn
+
+
+@functools.cache
+def _norm_types() -> tuple[type, ...]:
+    from torch import nn
+
+    return (
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.LocalResponseNorm,
+        nn.modules.batchnorm._NormBase,  # BatchNorm*d, SyncBatchNorm, InstanceNorm*d
+        *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+    )
+
+
+@functools.cache
+def _embedding_types() -> tuple[type, ...]:
+    from torch import nn
+
+    return (nn.Embedding, nn.EmbeddingBag)
+
 
 BIAS = "bias"
 NORM_WEIGHT = "normalization weight"
@@ -27,11 +43,11 @@ OTHER = "other"
 def is_norm_module(module: nn.Module) -> bool:
     # Custom classes (LlamaRMSNorm, T5LayerNorm, FusedRMSNorm...) are recognised by
     # name: a normalization layer that is not a subclass of torch's is the rule.
-    return isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
+    return isinstance(module, _norm_types()) or "norm" in type(module).__name__.lower()
 
 
 def is_embedding_module(module: nn.Module) -> bool:
-    return isinstance(module, _EMBEDDING_TYPES) or "embedding" in type(module).__name__.lower()
+    return isinstance(module, _embedding_types()) or "embedding" in type(module).__name__.lower()
 
 
 def parameter_roles(model: nn.Module) -> dict[str, tuple[str, str]]:

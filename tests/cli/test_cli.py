@@ -94,6 +94,47 @@ def test_json_output(script):
     assert cut["location"]["line"] == 13 and cut["evidence"]["kind"] == "detach"
 
 
+PRINTS = """
+import os
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+print("printed at import")
+
+
+def make():
+    print("printed by the factory")
+    os.write(1, b"written to descriptor 1\\n")
+    subprocess.run([sys.executable, "-c", "print('printed by a child process')"], check=True)
+    model = nn.Linear(4, 1)
+    x = torch.randn(8, 4)
+
+    def loss_fn():
+        print("printed by the loss")
+        return model(x).pow(2).mean()
+
+    return model, loss_fn
+"""
+PRINTED = ("printed at import", "printed by the factory", "written to descriptor 1",
+           "printed by a child process", "printed by the loss")  # fmt: skip
+
+
+def test_json_output_holds_only_the_report_when_the_file_prints(tmp_path):
+    path = tmp_path / "prints.py"
+    path.write_text(PRINTS)
+    result = dw("check", str(path), "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["kind"] == "check"  # nothing else on stdout
+    for line in PRINTED:
+        assert line in result.stderr
+    text = dw("check", str(path))  # a terminal report: the prints stay where they were
+    for line in PRINTED:
+        assert line in text.stdout
+
+
 def test_healthy_model_exits_0(script):
     result = dw("check", f"{script}:healthy")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -84,6 +84,7 @@ for step in range(10):
     opt_g.zero_grad()
     bce(D(G(z)), ones).backward()
     opt_g.step()
+    print(f"step {step}")  # with --format json, kept off stdout: it holds the report alone
 """
 
 NO_OPTIMIZER = """
@@ -211,7 +212,8 @@ def test_two_models_and_two_optimizers_are_named_by_class(gan):
 
 def test_json_output_parses(gan):
     _, result = gan
-    report = json.loads(result.stdout)
+    report = json.loads(result.stdout)  # the script's prints are not in it
+    assert "step 0\n" in result.stderr and "step 9\n" in result.stderr
     assert report["kind"] == "watch"
     assert report["subject"]["parameters"] == 8
     assert report["subject"]["optimizers"] == ["Adam#0", "Adam#1"]

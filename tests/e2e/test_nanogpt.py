@@ -86,8 +86,9 @@ def _run(work: Path, compile_: bool) -> tuple[dict, list[dict], str]:
     report, proc = deadweight_run(
         sys.executable, command, cwd=work, env=env, log=work / "run.jsonl", timeout=900
     )
-    check_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHECK ")]
-    assert len(check_lines) == 1, proc.stdout[-3000:]
+    # The script's own prints: on stderr, as --format json keeps stdout for the report.
+    check_lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("CHECK ")]
+    assert len(check_lines) == 1, proc.stderr[-3000:]
     check = json.loads(check_lines[0][len("CHECK ") :])
     return report, check["findings"], proc.stderr
 

@@ -11,7 +11,8 @@ def deadweight_run(
     python: str, command: list[str], *, cwd: Path, env: dict[str, str], log: Path, timeout: float
 ) -> tuple[dict, subprocess.CompletedProcess[str]]:
     """`python -m deadweight run --format=json -- COMMAND`: the watch report it printed
-    last (after the script's own output), and the finished process."""
+    (stdout holds only the report: the script's own output goes to stderr), and the
+    finished process."""
     proc = subprocess.run(
         [
             python,
@@ -33,8 +34,6 @@ def deadweight_run(
         timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    start = proc.stdout.rfind("\n{\n")
-    assert start >= 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(proc.stdout[start:])
+    report = json.loads(proc.stdout)
     assert report["kind"] == "watch", proc.stdout[-3000:]
     return report, proc

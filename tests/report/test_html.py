@@ -137,7 +137,7 @@ def test_html_option_on_run(tmp_path):
     out, log = tmp_path / "run.html", tmp_path / "run.jsonl"
     result = dw("run", "--every", "10", "--log", str(log), "--html", str(out), "--",
                 "python", str(script))  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # the script exits 0; DW301 is an error
     page = _Page(out.read_text())
     assert {r["data-code"] for r in page.rows} >= {"DW301"}
     assert any("-p-l1_weight" in p for p in page.plots)  # the parameter that never moved
@@ -311,3 +311,18 @@ def test_layer_outlier_by_rms_is_plotted(tmp_path):
     rms = [float(t.square().mean().sqrt()) for t in tensors.values()]
     assert bars["y"] == pytest.approx(rms, rel=0.02)
     assert bars["marker"]["color"][3] == "#c62828"
+
+
+def test_a_clean_report_has_no_empty_rules_section():
+    subject = {"model": "Net", "parameters": 2}
+    clean = deadweight.Report.of("check", [], subject)
+    page = html_report.render_html([html_report.Section("clean", clean)])
+    assert "no findings" in page
+    assert 'id="rules"' not in page and "<h2>Rules</h2>" not in page
+    finding = deadweight.Finding(
+        code="DW101", name="no-gradient", severity=deadweight.Severity.ERROR, message="none"
+    )
+    found = deadweight.Report.of("check", [finding], subject)
+    page = html_report.render_html([html_report.Section("found", found)])
+    (rules,) = re.findall(r'<section id="rules">.*?</section>', page, re.S)
+    assert '<div class="rule" id="rule-DW101">' in rules

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from deadweight import param_roles, thresholds
+
+if TYPE_CHECKING:  # the rules (and `deadweight rules`) load this module without torch
+    import torch
+
+# torch.finfo(torch.float32).eps, the spacing of float32 values at 1.0: 2^-23.
+FLOAT32_EPS = 2.0**-23
 
 # -- where: source positions --------------------------------------------------------
 
@@ -306,7 +310,7 @@ class GradFlowStats:
     # multiply the branch they feed (ReZero's alpha, LoRA's B; checking/gates.py),
     # the one nearest the loss first.
     gated_by: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    loss_eps: float = float(torch.finfo(torch.float32).eps)
+    loss_eps: float = FLOAT32_EPS
     optimizer_facts: OptimizerFacts | None = None
     # Parameters whose values a forward run by the check changed (and whether they
     # were put back): a forward that writes `.data` changes the model every step.

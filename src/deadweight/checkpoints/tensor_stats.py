@@ -14,7 +14,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 # Elements per slice: 256k float32 = 1 MB, a typical L2 cache.
 SLICE = 1 << 18
@@ -82,6 +81,8 @@ class _Accumulator:
         self.squares = 0.0
 
     def add(self, chunk: np.ndarray) -> None:
+        import torch  # here, not at the top: the rules read this module's TensorStats
+
         with warnings.catch_warnings():  # a read-only buffer is fine: nothing writes to it
             warnings.simplefilter("ignore", UserWarning)
             whole = torch.from_numpy(chunk)

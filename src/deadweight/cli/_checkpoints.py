@@ -18,9 +18,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 from rich.text import Text
 
-from deadweight.checkpoints.readers import find_checkpoints
-from deadweight.checkpoints.readers.base import PASS_THROUGH, reading_error
 from deadweight.cli._common import add_html_option, add_report_options, emit
+from deadweight.cli._console import print_whole
 from deadweight.report import Report
 from deadweight.report.display import plain, safe_text
 
@@ -41,6 +40,9 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
 def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
     """The checkpoints the inputs name, and an error for each input that names none; one
     input that cannot even be expanded is that input's error, the others still count."""
+    from deadweight.checkpoints.readers import find_checkpoints
+    from deadweight.checkpoints.readers.base import PASS_THROUGH, reading_error
+
     paths: list[str] = []
     seen: set[str] = set()
     errors: list[str] = []
@@ -66,22 +68,24 @@ _HEADER_CLASHES = ("optimizer", "steps")
 def finish(
     report: Report, args: argparse.Namespace, errors: list[str], *tables: Table | None
 ) -> int:
+    # Each once, on one line: a file named twice (a glob and its path) is one error.
+    every = [*errors, *report.subject.get("errors", [])]
+    unique = list(dict.fromkeys(" ".join(e.splitlines()) for e in every))
     if args.format == "text":
         for table in tables:
             if table is not None:
-                Console().print(table)
+                print_whole(table)
         subject = {k: v for k, v in report.subject.items() if k not in _HEADER_CLASHES}
+        subject["errors"] = unique  # the footer counts the inputs not read, named or not found
         code = emit(dataclasses.replace(report, subject=subject), args, html_report=report)
     else:
         code = emit(report, args)
     # The readers' notes: each file whose pickle --unsafe-pickle ran, each tensor not measured.
     for warning in report.subject.get("warnings", []):
         print(f"deadweight: warning: {warning}", file=sys.stderr)
-    # Each once, on one line: a file named twice (a glob and its path) is one error.
-    every = [*errors, *report.subject.get("errors", [])]
-    for error in dict.fromkeys(" ".join(e.splitlines()) for e in every):
+    for error in unique:
         print(f"deadweight: error: {error}", file=sys.stderr)
-    return 2 if errors or report.subject.get("errors") else code
+    return 2 if unique else code
 
 
 class progress_bar:

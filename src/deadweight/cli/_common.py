@@ -4,6 +4,10 @@ configuration every subcommand reads."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -124,3 +128,40 @@ def emit(
         render(report, Console())
     fail_on = None if args.fail_on == "never" else Severity.parse(args.fail_on)
     return 1 if report.failed(fail_on) else 0
+
+
+@contextlib.contextmanager
+def script_output_to_stderr(active: bool = True) -> Iterator[None]:
+    """While the user's code runs, what it prints goes to stderr, so that a report on
+    stdout (--format json) is the report alone. Both `sys.stdout` and file descriptor 1
+    are redirected: a C extension or a subprocess writes to the descriptor."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = _point_stdout_at_stderr()
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _point_stdout_at_stderr() -> int | None:
+    """Descriptor 1 made a copy of descriptor 2; a copy of the old 1 to restore it with,
+    or None where stdout is no descriptor 1 (captured in-process, closed)."""
+    try:
+        if sys.stdout.fileno() != 1:
+            return None
+        saved = os.dup(1)
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return None
+    try:
+        os.dup2(2, 1)
+    except OSError:
+        os.close(saved)
+        return None
+    return saved

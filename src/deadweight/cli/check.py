@@ -8,8 +8,12 @@ import os
 import sys
 from typing import Any
 
-from deadweight.checking.api import check
-from deadweight.cli._common import add_html_option, add_report_options, emit
+from deadweight.cli._common import (
+    add_html_option,
+    add_report_options,
+    emit,
+    script_output_to_stderr,
+)
 from deadweight.errors import InputError, LossFnError
 
 HELP = "check a model: every trainable parameter gets a gradient, and where the graph is cut"
@@ -29,12 +33,17 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from deadweight.checking.api import check  # torch: only when a check runs
+
     path, func_name = parse_target(args.target)
-    made = call_factory(path, func_name)
-    try:
-        report = check(*made, select=args.select, ignore=args.ignore)
-    except ValueError as exc:  # a bad --select / --ignore entry
-        raise InputError(str(exc)) from None
+    # The file's own prints (at import, in the factory, in the forward or the loss) must
+    # not mix with a JSON report on stdout.
+    with script_output_to_stderr(args.format == "json"):
+        made = call_factory(path, func_name)
+        try:
+            report = check(*made, select=args.select, ignore=args.ignore)
+        except ValueError as exc:  # a bad --select / --ignore entry
+            raise InputError(str(exc)) from None
     return emit(report, args)
 
 

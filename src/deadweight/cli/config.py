@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from deadweight.cli._common import add_config_options, project_config
+from deadweight.cli._console import print_whole
 from deadweight.config import Config
 from deadweight.report.display import plain, safe_text
 
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         table = Table("key", "value", "from", box=None, header_style="bold")
         for key, value in cfg.effective().items():
             table.add_row(plain(key), plain(_toml_value(value)), plain(_short(cfg.source_of(key))))
-        console.print(table)
+        print_whole(table, highlight=False)
     return 0
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from deadweight.checkpoints import api as forensics
 from deadweight.cli._checkpoints import add_checkpoint_options, diff_table, finish
 from deadweight.errors import InputError
 
@@ -23,6 +22,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from deadweight.checkpoints import api as forensics  # torch: only when it runs
+
     try:
         report = forensics.diff_checkpoints(
             args.a, args.b, unsafe_pickle=args.unsafe_pickle, select=args.select,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from deadweight.checkpoints import api as forensics
 from deadweight.cli._checkpoints import (
     add_checkpoint_options,
     expand,
@@ -43,6 +42,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from deadweight.checkpoints import api as forensics  # torch: only when it runs
+
     paths, errors = expand(args.paths)
     if not paths and errors:
         raise InputError("; ".join(errors))

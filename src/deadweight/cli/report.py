@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deadweight.cli._common import add_report_options, emit
 from deadweight.errors import InputError
@@ -16,11 +16,13 @@ from deadweight.findings import Finding, Location, Severity
 from deadweight.registry import Selection
 from deadweight.report import SCHEMA_VERSION, Report
 from deadweight.report.display import safe_text
-from deadweight.report.html import Section
 from deadweight.report.text import render_plain
 from deadweight.watching.event_log import iter_runs, parse_line, read_log
+from deadweight.watching.watch_report import report_from_stats
 from deadweight.watching.watch_stats import WatchStats
-from deadweight.watching.watcher import report_from_stats
+
+if TYPE_CHECKING:  # report.html imports numpy: loaded when a page is made
+    from deadweight.report.html import Section
 
 HELP = (
     "rebuild the report of a watched run from its event log (also of a killed run), or "
@@ -309,6 +311,8 @@ def classify(path: str) -> tuple[str, Any]:
 
 
 def _saved_section(path: str, data: dict[str, Any], select: Any, ignore: Any) -> Section:
+    from deadweight.report.html import Section
+
     version = data.get("schema_version")
     notes_here = []
     if not isinstance(version, int) or version > SCHEMA_VERSION:
@@ -325,6 +329,8 @@ def load_sections(
 ) -> tuple[list[Section], list[str], int]:
     """Every readable input as HTML sections, a note for each problem met, and how many
     inputs could not be read at all."""
+    from deadweight.report.html import Section
+
     sections: list[Section] = []
     notes: list[str] = []
     skipped = 0

@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
-from rich.console import Console
-from rich.markdown import Markdown
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.markdown import Markdown, MarkdownElement, TableElement
 from rich.table import Table
 
 from deadweight import rule_docs, thresholds
+from deadweight.cli._console import print_whole
 from deadweight.errors import InputError
 from deadweight.registry import all_rules, get_rule
 
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.format == "markdown":
             print(rule_docs.rule_page(found))
         else:
-            console.print(Markdown(rule_docs.rule_page(found)))
+            console.print(RulePage(rule_docs.rule_page(found)))
         return 0
     if args.format == "json":
         print(json.dumps([_rule_dict(r) for r in all_rules()], indent=2))
@@ -68,11 +69,34 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "markdown":
         print(markdown_table())
         return 0
-    table = Table("code", "name", "severity", "summary", box=None, header_style="bold")
+    table = Table(box=None, header_style="bold")
+    for column in ("code", "name", "severity"):  # whole, so they can be pasted
+        table.add_column(column, no_wrap=True)
+    table.add_column("summary")
     for r in all_rules():
         table.add_row(r.code, r.name, r.severity.value, r.summary)
-    console.print(table)
+    print_whole(table)
     return 0
+
+
+class _KeyedTable(TableElement):
+    """A Markdown table whose first column (a threshold key) is never wrapped or cut:
+    the other columns wrap around it, and the key can be pasted into a configuration."""
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        for part in super().__rich_console__(console, options):
+            if isinstance(part, Table) and part.columns:
+                part.columns[0].no_wrap = True
+            yield part
+
+
+class RulePage(Markdown):
+    """A rule's page in the terminal, its thresholds' keys whole at any width."""
+
+    elements: ClassVar[dict[str, type[MarkdownElement]]] = {
+        **Markdown.elements,
+        "table_open": _KeyedTable,
+    }
 
 
 def markdown_table() -> str:

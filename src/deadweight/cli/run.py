@@ -55,6 +55,7 @@ HELP = "run a training script with every optimizer it creates watched"
 # SIGINT sent to deadweight alone (no terminal, or deadweight not in the foreground) is
 # passed on after this many seconds if the script is still running.
 FORWARD_SIGINT_AFTER = 1.0
+STDERR_FD = 2
 
 
 def add_parser(sub: Any) -> None:
@@ -62,7 +63,10 @@ def add_parser(sub: Any) -> None:
         "run",
         help=HELP,
         description=HELP + ". Everything after `--` is the command, e.g. "
-        "`deadweight run -- python train.py --lr 3e-4`.",
+        "`deadweight run -- python train.py --lr 3e-4`. Exit code: the script's own when it "
+        "is not 0; else 1 when a finding is at or above --fail-on, 0 when none is; 2 when "
+        "deadweight could not start the command. With --format json the script's own "
+        "output goes to stderr, so stdout holds only the report.",
     )
     parser.add_argument("--every", type=int, default=20, help="fuller statistics every N steps")
     parser.add_argument(
@@ -79,7 +83,7 @@ def add_parser(sub: Any) -> None:
     )
     add_report_options(parser)
     add_html_option(parser)
-    parser.set_defaults(run=run, fail_on="never")
+    parser.set_defaults(run=run)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command after --")
 
 
@@ -114,8 +118,11 @@ def _run_and_report(command: list[str], log: str, held: int, args: argparse.Name
     env[ENV_FULL] = "1" if args.full else "0"
     env[ENV_RUN_ID] = run_id
     env[ENV_CHECK] = "0" if args.no_check else "1"
+    # With --format json, stdout is the report alone: a script's prints (and those of the
+    # processes it starts) would make it unparseable, so they go to stderr.
+    stdout = STDERR_FD if args.format == "json" else None
     try:
-        child = subprocess.Popen(command, env=env)
+        child = subprocess.Popen(command, env=env, stdout=stdout)
     except OSError as exc:
         _remove_if_empty(log, held)
         raise InputError(f"cannot run {command[0]!r}: {exc}") from None
@@ -145,7 +152,13 @@ def _run_and_report(command: list[str], log: str, held: int, args: argparse.Name
             ),
             file=sys.stderr,
         )
-    return code if code != 0 else failed
+    return exit_code(code, failed)
+
+
+def exit_code(script: int, findings: int) -> int:
+    """`deadweight run`'s exit code: the script's own when it failed (a crash must not
+    pass for a finding), else what the findings and --fail-on decide (0 or 1)."""
+    return script if script != 0 else findings
 
 
 def _claim_log(shown: str, log: str) -> int:

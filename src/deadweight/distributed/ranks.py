@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deadweight.distributed.rank_stats import RankPresence
 from deadweight.errors import CollectiveError, InputError
 
 # Seconds a deadweight collective waits for the other ranks. Long enough for a rank
@@ -418,26 +419,6 @@ def check_same_names(ranks: Ranks, names: Sequence[str], what: str) -> None:
             f"the ranks hold different parameter lists ({listed}); deadweight compares "
             "parameters by name across ranks, so every rank must hold the same model"
         )
-
-
-@dataclass(frozen=True)
-class RankPresence:
-    """Per parameter and rank: did the parameter get a gradient, reach the loss, sit in the optimizer.
-
-    Arrays are (world_size, P) bools in the order of `names`; `in_optimizer` is
-    None when no optimizer was given, `has_grad` when gradients were not looked at
-    (watch: DDP has already averaged them by the time an optimizer steps).
-    """
-
-    names: tuple[str, ...]
-    world_size: int
-    trainable: tuple[bool, ...]
-    has_grad: torch.Tensor | None
-    in_optimizer: torch.Tensor | None
-    wrapper: str  # "DistributedDataParallel", "FSDP2" or "" (a plain module)
-
-    def ranks_where(self, flags: torch.Tensor, j: int, value: bool = True) -> list[int]:
-        return [r for r in range(self.world_size) if bool(flags[r, j]) is value]
 
 
 __all__ = [

@@ -250,8 +250,12 @@ def _findings_table(rows: list[str], codes: set[str]) -> str:
 
 
 def _rule_docs(codes: Iterable[str]) -> str:
+    """The pages of the rules found; nothing at all (not an empty heading) when none was."""
+    found = sorted(codes)
+    if not found:
+        return ""
     parts = ['<section id="rules"><h2>Rules</h2>']
-    for raw in sorted(codes):
+    for raw in found:
         code = html_text(raw)
         try:
             rule = get_rule(raw)

@@ -200,10 +200,22 @@ def _short(value: object, depth: int = 0) -> str:
 
 def _footer(report: Report) -> Text:
     prefix = "".join(safe_text(n) + "\n" for n in detector_notes(report))
+    unread = unreadable_inputs(report)
+    # "no findings" next to an input that was never read would pass for a clean result.
+    missed = f"{unread} input{'s' if unread != 1 else ''} could not be read" if unread else ""
     if not report.findings:
-        return Text(prefix + "no findings", style="green")
-    text = ", ".join(part for _, part in count_parts(report))
-    return Text(prefix + text, style="bold red" if not report.ok else "bold")
+        return Text(prefix + (missed or "no findings"), style="bold red" if unread else "green")
+    text = ", ".join(part for _, part in count_parts(report)) + (f"; {missed}" if missed else "")
+    return Text(prefix + text, style="bold red" if not report.ok or unread else "bold")
+
+
+def unreadable_inputs(report: Report) -> int:
+    """How many inputs (files, paths) a checkpoint or lint report could not read: its
+    `subject["errors"]` (lint: one or more per file)."""
+    errors = report.subject.get("errors")
+    if not isinstance(errors, list):
+        return 0
+    return len({e.get("file") if isinstance(e, dict) else str(e) for e in errors})
 
 
 def count_parts(report: Report) -> list[tuple[Severity, str]]:

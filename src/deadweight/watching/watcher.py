@@ -35,13 +35,13 @@ from deadweight import owners, wrappers
 from deadweight.config import ConfigLike, Settings, settings_for
 from deadweight.distributed import ranks as distributed
 from deadweight.distributed.replicas import ReplicaCheck
-from deadweight.registry import Selection, rules_consuming
 from deadweight.report import Report
 from deadweight.thresholds import Thresholds, using
 from deadweight.watching import scaler_steps, zero_partitions
 from deadweight.watching.event_log import LogWriter, log_path_for_rank, start_event
 from deadweight.watching.step_monitor import MonitorConfig, StepMonitor
 from deadweight.watching.step_zero import FirstStep
+from deadweight.watching.watch_report import report_from_stats
 from deadweight.watching.watch_stats import WatchStats
 
 log = logging.getLogger(__name__)
@@ -901,39 +901,6 @@ def _live_optimizers(first: torch.optim.Optimizer) -> list[torch.optim.Optimizer
             except Exception:  # lazy proxies can raise on __class__
                 continue
     return found
-
-
-def report_from_stats(
-    stats: WatchStats,
-    *,
-    select: Iterable[str] | str | None = None,
-    ignore: Iterable[str] | str | None = None,
-    log: str | None = None,
-) -> Report:
-    from deadweight.distributed.ranks import RankPresence
-    from deadweight.distributed.rules.distributed import presence_from_watch
-
-    selection = Selection.of(select, ignore)
-    findings = [f for r in rules_consuming(WatchStats) for f in r.judge(stats)]
-    findings += stats.step0  # `deadweight run`'s step-0 check, in its own section
-    presence = presence_from_watch(stats)
-    if presence is not None:
-        findings += [f for r in rules_consuming(RankPresence) for f in r.judge(presence)]
-    subject = {
-        "log": log,
-        "steps": stats.steps,
-        "optimizers": [f"{o.cls}#{o.index}" for o in stats.optimizers.values()],
-        "parameters": len(stats.params),
-        "complete": stats.complete,
-        "end": (stats.end or {}).get("reason"),
-        "detector_errors": stats.errors,
-        "problems": stats.problems,
-    }
-    if stats.step0_mode is not None:
-        subject["step0"] = {"mode": stats.step0_mode, "note": stats.step0_note}
-    if stats.ranks is not None:
-        subject["distributed"] = {**stats.ranks, "complete": stats.ranks_complete}
-    return Report.of("watch", selection.filter(findings), subject)
 
 
 def watch(

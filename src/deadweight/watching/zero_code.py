@@ -22,7 +22,6 @@ import sys
 from types import TracebackType
 
 from deadweight.watching.event_log import log_path_for_pid, log_path_for_rank, read_start
-from deadweight.watching.step_monitor import MonitorConfig
 
 ENV_LOG = "DEADWEIGHT_RUN_LOG"
 ENV_EVERY = "DEADWEIGHT_RUN_EVERY"
@@ -71,6 +70,9 @@ def may_write(path: str, main: str, run_id: str | None) -> bool:
 
 
 def start() -> None:
+    # Here, not at the top: `deadweight run` itself reads the ENV_* names above and
+    # never imports torch.
+    from deadweight.watching.step_monitor import MonitorConfig
     from deadweight.watching.watcher import GlobalWatch
 
     run_id = os.environ.get(ENV_RUN_ID)

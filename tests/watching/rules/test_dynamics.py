@@ -90,6 +90,36 @@ def test_skipped_updates_lost_to_bf16_precision() -> None:
     assert gain.eq(1).all()  # indeed never changed
 
 
+def _lost_updates(dtype: torch.dtype, start: float) -> deadweight.Finding:
+    """One small parameter whose every SGD step (lr 1e-4 times a gradient of exactly
+    1e-3: 1e-7) is far below half the spacing of its values at `start`."""
+    model = nn.Linear(4, 1)
+    gain = nn.Parameter(torch.full((4,), start, dtype=dtype))
+    opt = torch.optim.SGD([*model.parameters(), gain], lr=1e-4)
+    with deadweight.watch(model, opt, every=10) as w:
+        for _ in range(30):
+            opt.zero_grad()
+            loss = (model(torch.randn(8, 4)) - 1).pow(2).mean() + gain.float().sum() * 1e-3
+            loss.backward()
+            opt.step()
+    assert gain.eq(start).all()
+    (lost,) = [f for f in w.report().by_code("DW304") if "lost" in f.evidence["cause"]]
+    return lost
+
+
+def test_lost_updates_of_a_bf16_parameter_advise_an_fp32_master_copy() -> None:
+    lost = _lost_updates(torch.bfloat16, 1.0)  # bf16 spacing at 1: 2^-7
+    assert set(lost.evidence["dtypes"].values()) == {"bfloat16"}
+    assert "fp32 master copy" in lost.fix and "bfloat16" in lost.fix
+
+
+def test_lost_updates_of_an_fp32_parameter_do_not_advise_fp32_master_weights() -> None:
+    lost = _lost_updates(torch.float32, 1e4)  # fp32 spacing at 1e4: 2^-10
+    assert set(lost.evidence["dtypes"].values()) == {"float32"}
+    assert "already float32" in lost.fix and "master copy would change nothing" in lost.fix
+    assert "fp32 master" not in lost.fix
+
+
 # -- DW305 is in tests/probes/test_step_monitor.py (first step and parameter) ---------------
 
 

@@ -46,6 +46,7 @@ def test_a_scaler_skipping_every_step_is_reported_naming_the_parameter() -> None
     assert skips.severity == deadweight.Severity.WARNING
     assert skips.evidence["skipped"] == 30 and skips.evidence["share"] == 1
     assert skips.params == ("bad",) and skips.evidence["nonfinite_on_skips"] == {"bad": 30}
+    assert "DW305" in skips.fix and "master" not in skips.fix  # fp32 already: the overflow
     (overflow,) = report.by_code("DW305")
     assert overflow.params == ("bad",)
     assert overflow.evidence["nonfinite_on_skips"] == {"bad": 30}

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import torch
-
-from deadweight.distributed.ranks import RankPresence
+from deadweight.distributed.rank_stats import RankPresence
 from deadweight.findings import Finding, Severity
 from deadweight.registry import get_rule, rule
 from deadweight.watching.watch_stats import WatchStats
+
+if TYPE_CHECKING:  # torch is imported where a presence is built, not to load the rules
+    import torch
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -159,6 +161,8 @@ def presence_from_watch(stats: WatchStats) -> RankPresence | None:
     event = stats.rank_params
     if event is None:
         return None
+    import torch
+
     held = torch.tensor(event["held"], dtype=torch.bool)
     return RankPresence(
         names=tuple(event["names"]),

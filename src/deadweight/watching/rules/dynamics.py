@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterator
+from typing import Any
 
 from deadweight.findings import Finding, Severity
 from deadweight.homologous import homologous_groups, robust_outlier
@@ -399,15 +400,20 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
     ```
 
     ## Fix
-    For GradScaler skips, find the overflow (deadweight's DW305, a lower learning
-    rate, bf16 instead of fp16). For lr 0, check the schedule. For lost updates,
-    keep a higher-precision copy of the parameter (fp32 master weights).
+    Each finding gives the fix for its cause. GradScaler skips: find the overflow
+    (deadweight's DW305, a lower learning rate, bf16 instead of fp16). A learning
+    rate of 0: check the schedule. Updates lost by a bf16 or fp16 parameter: keep an
+    fp32 master copy of it (the optimizer steps the copy). Updates lost by a
+    parameter that is already fp32: a master copy in fp32 changes nothing; the step
+    is below fp32's resolution at the parameter's size (about 6e-8 of its value), so
+    check the learning rate and why the parameter is so large.
 
     ## Evidence
     - `optimizer`: the optimizer whose steps were skipped.
     - `skipped`: how many steps (per cause), and `steps` watched.
     - `share`: the skipped share of the steps.
     - `cause`, `first_after_step`: why (a GradScaler, a zero learning rate, ...) and when first.
+    - `dtypes`: for lost updates, each parameter's dtype (what the fix depends on).
     """
     for opt in stats.optimizers.values():
         skips = opt.scaler_skips
@@ -428,6 +434,8 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
                     "share": share,
                     "nonfinite_on_skips": culprits,
                 },
+                fix="Find the overflow: DW305 names the parameters whose gradient held "
+                "inf/NaN; lower the learning rate, or train in bf16 instead of fp16.",
                 severity=_skip_severity(len(skips), share),
             )
     lost: dict[str, list[ParamTrack]] = {}
@@ -451,14 +459,51 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
         steps = max(t.steps for t in tracks)
         share = worst / max(1, steps)
         names = list(counts)
+        evidence: dict[str, Any] = {"cause": cause, "steps": steps, "skipped": counts,
+                                    "share": share}  # fmt: skip
+        if cause.startswith("learning"):
+            fix = ("Check the learning-rate schedule: a group at lr 0 (a warm-up that starts "
+                   "at 0, a frozen group left in the optimizer) does not train.")  # fmt: skip
+        else:
+            evidence["dtypes"] = {t.name: t.dtype for t in tracks}
+            fix = _lost_update_fix(tracks)
         yield get_rule("DW304").finding(
             f"{len(names)} parameter(s) had a gradient but were not updated on up to {worst} of "
             f"{steps} steps ({cause}): {name_list(names)}.",
             params=names,
             location=module_of(names[0]),
-            evidence={"cause": cause, "steps": steps, "skipped": counts, "share": share},
+            evidence=evidence,
+            fix=fix,
             severity=_skip_severity(worst, share),
         )
+
+
+# Dtypes whose few mantissa bits lose small updates, which an fp32 master copy keeps.
+_LOW_PRECISION = ("bfloat16", "float16")
+
+
+def _lost_update_fix(tracks: list[ParamTrack]) -> str:
+    """An fp32 master copy for a bf16/fp16 parameter; for one that is already fp32 (or
+    wider) that copy would be the parameter itself, so the fix is elsewhere."""
+    low = [t.name for t in tracks if t.dtype in _LOW_PRECISION]
+    wide = [t.name for t in tracks if t.dtype not in _LOW_PRECISION]
+    parts = []
+    if low:
+        dtypes = "/".join(sorted({t.dtype for t in tracks if t.dtype in _LOW_PRECISION}))
+        parts.append(
+            f"Keep an fp32 master copy of {name_list(low)}: the optimizer steps the fp32 "
+            f"copy and the model reads it in {dtypes}, which cannot hold steps this small "
+            "at the parameter's size."
+        )
+    if wide:
+        which = "/".join(sorted({t.dtype for t in tracks if t.dtype not in _LOW_PRECISION}))
+        parts.append(
+            f"{name_list(wide)} {'is' if len(wide) == 1 else 'are'} already {which}, so a "
+            "master copy would change nothing: each step is below the resolution of the "
+            "value (about 6e-8 of it in fp32) and rounds away. Check the learning rate (a "
+            "schedule decayed to almost 0) and why the values are so large."
+        )
+    return " ".join(parts)
 
 
 # Backward passes without a step that a watch still open takes for a finding: far
