@@ -47,3 +47,21 @@ def test_literal_braces_in_names_are_text() -> None:
     groups = homologous_groups(names)
     assert list(groups) == [f"{braces}.{{}}.s"]
     assert [n for _, n in groups[f"{braces}.{{}}.s"]] == names[:4]
+
+
+def test_siblings_are_of_one_shape() -> None:
+    """wav2vec2's first conv (1 input channel, kernel 10) is no sibling of the next two
+    (16 channels, kernel 3): its RMS differs by its init alone."""
+    shapes = {
+        "fe.conv_layers.0.conv.weight": (16, 1, 10),
+        "fe.conv_layers.1.conv.weight": (16, 16, 3),
+        "fe.conv_layers.2.conv.weight": (16, 16, 3),
+        "blocks.0.w": (4, 4),
+        "blocks.1.w": (4, 4),
+        "blocks.2.w": (4, 4),
+        "blocks.3.w": (8, 4),
+    }
+    groups = homologous_groups(shapes, shapes.__getitem__)
+    assert "fe.conv_layers.{}.conv.weight" not in groups
+    assert [n for _, n in groups["blocks.{}.w"]] == ["blocks.0.w", "blocks.1.w", "blocks.2.w"]
+    assert len(homologous_groups(shapes)["fe.conv_layers.{}.conv.weight"]) == 3  # names alone

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from collections import defaultdict
-from collections.abc import Iterable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
 
 from deadweight.thresholds import current
 
@@ -39,13 +39,26 @@ def layer_key(name: str) -> tuple[str, int] | None:
     return name[: last.start()] + "{}" + name[last.end() :], int(last.group())
 
 
-def homologous_groups(names: Iterable[str]) -> dict[str, list[tuple[int, str]]]:
-    """template -> [(index, name), ...] sorted by index, for groups of MIN_SIBLINGS or more."""
+def homologous_groups(
+    names: Iterable[str], shape_of: Callable[[str], object] | None = None
+) -> dict[str, list[tuple[int, str]]]:
+    """template -> [(index, name), ...] sorted by index, for groups of MIN_SIBLINGS or more.
+
+    With `shape_of`, only parameters of one shape are siblings: layers built alike
+    have equal shapes, and one built otherwise (wav2vec2's first conv, 1 input channel
+    and kernel 10 against 16 and 3) has another RMS by its init alone. A template's
+    members of the most common shape form its group.
+    """
     groups: dict[str, list[tuple[int, str]]] = defaultdict(list)
     for name in names:
         key = layer_key(name)
         if key is not None:
             groups[key[0]].append((key[1], name))
+    if shape_of is not None:
+        for template, members in groups.items():
+            shapes = Counter(repr(shape_of(n)) for _, n in members)
+            common, _ = shapes.most_common(1)[0]
+            groups[template] = [(i, n) for i, n in members if repr(shape_of(n)) == common]
     return {t: sorted(m) for t, m in groups.items() if len(m) >= MIN_SIBLINGS}
 
 

@@ -84,10 +84,11 @@ def checkpoint_layer_outlier(stats: InspectStats) -> Iterator[Finding]:
     """
     ## What it does
     Groups tensors whose names are equal up to a layer index (`layers.{i}.X`, three
-    layers or more) and compares one number per layer: the value for single-element
-    tensors, the RMS otherwise. A layer is an outlier when its robust z-score (median
-    and median absolute deviation, on a log scale when all values are positive) is at
-    least 5 and it differs from the median by a factor of 2 or more.
+    layers or more of one shape) and compares one number per layer: the magnitude of
+    the value for single-element tensors, the RMS otherwise. A layer is an outlier
+    when its robust z-score (median and median absolute deviation, on a log scale
+    unless a value is exactly 0) is at least 5 and it differs from the median by a
+    factor of 2 or more.
 
     ## Why is this bad
     Layers of one model are built alike and train alike. The second incident was
@@ -112,7 +113,8 @@ def checkpoint_layer_outlier(stats: InspectStats) -> Iterator[Finding]:
     - `value`, `siblings_median`, `siblings_range`, `robust_z`: the outlier against the rest.
     """
     for scan in stats.scans:
-        for template, members in homologous_groups(scan.tensors).items():
+        shapes = {n: t.shape for n, t in scan.tensors.items()}
+        for template, members in homologous_groups(scan.tensors, shapes.__getitem__).items():
             tensors = [scan.tensors[n] for _, n in members]
             if not all(t.analysed and not t.nonfinite for t in tensors):
                 continue

@@ -757,7 +757,7 @@ def layer_outlier(stats: WatchStats) -> Iterator[Finding]:
     """
     ## What it does
     Groups parameters whose names are equal up to a layer index (`layers.{i}.X`,
-    three layers or more) and compares one number per layer: the value for
+    three layers or more of one shape) and compares one number per layer: the value for
     single-element parameters, the RMS otherwise, by magnitude (a sign alone sets
     no layer apart). A layer is an outlier when its robust z-score (from the median
     and the median absolute deviation, on a log scale unless a value is exactly 0)
@@ -787,7 +787,7 @@ def layer_outlier(stats: WatchStats) -> Iterator[Finding]:
     - `since_step`: the first watched step it stood out at.
     - `values`: every layer's value.
     """
-    groups = homologous_groups(stats.params)
+    groups = homologous_groups(stats.params, lambda n: stats.params[n].shape)
     for template, members in groups.items():
         tracks = [stats.params[n] for _, n in members]
         if any(t.pinned for t in tracks) or len({t.optimizer for t in tracks}) > 1:
