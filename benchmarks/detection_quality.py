@@ -1831,7 +1831,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         out["first_step"] = first
         print_first_step(first)
         meta["precision_s"] = time.perf_counter() - t0
-        print(f"\n(precision: {len(rows)} architectures in {meta['precision_s']:.0f} s)")
+        print(
+            f"\n(precision: {len(rows)} architectures and {len(first)} first-step cases in "
+            f"{meta['precision_s']:.0f} s)"
+        )
 
     if args.part in ("seeds", "all"):
         t0 = time.perf_counter()
