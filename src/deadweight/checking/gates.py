@@ -76,7 +76,12 @@ def zero_valued(params: Sequence[tuple[str, torch.Tensor]]) -> set[int]:
     if not params:
         return set()
     with torch.no_grad():
-        flags = torch.stack([(p.detach() != 0).any().cpu() for _, p in params]).tolist()
+        per_param = [(p.detach() != 0).any() for _, p in params]
+        devices = {f.device for f in per_param}
+        if len(devices) == 1:  # the usual case: stacked where they are, moved once
+            flags = torch.stack(per_param).tolist()
+        else:
+            flags = torch.stack([f.cpu() for f in per_param]).tolist()
     return {id(p) for (_, p), nonzero in zip(params, flags, strict=True) if not nonzero}
 
 
