@@ -33,7 +33,7 @@ from deadweight.checking.check_stats import (
     ProbeResult,
     Site,
 )
-from deadweight.checking.module_trace import ModuleTracer
+from deadweight.checking.module_trace import ModuleTracer, took_part
 from deadweight.checking.op_trace import OpTracer, op_name, tensors_in
 from deadweight.checking.optimizer_groups import optimizer_facts
 from deadweight.checking.sites import definition_site
@@ -596,16 +596,17 @@ def _module_cuts(
     ran = modules.calls
     # Containers (ModuleList, ModuleDict) are never called themselves: a module took
     # part in the forward if it, or anything below it, ran.
-    took_part = {""} | {prefix for path in ran for prefix in _prefixes(path)}
-    for path, module in model.named_modules():
+    ran_or_above = {""} | took_part(ran)
+    by_path = dict(model.named_modules())
+    for path, module in by_path.items():
         if not path:
             continue
-        if path not in took_part:
-            if path.rpartition(".")[0] in took_part:  # the outermost module that sat out
+        if path not in ran_or_above:
+            if path.rpartition(".")[0] in ran_or_above:  # the outermost module that sat out
                 params = params_under(path)
                 if params:
                     site = definition_site(module)
-                    detail = _routing(model, path, ran)
+                    detail = _routing(by_path, path, ran)
                     cuts.append(
                         Cut("never-ran", type(module).__name__, site, path, params, detail=detail)
                     )
@@ -628,12 +629,11 @@ def _module_cuts(
     return cuts
 
 
-def _routing(model: nn.Module, path: str, ran: dict[str, Any]) -> str:
+def _routing(modules: dict[str, nn.Module], path: str, ran: dict[str, Any]) -> str:
     """For a module in a ModuleList / ModuleDict whose siblings ran (the experts of a
     mixture): how many rows each sibling ran on, and the router, a Linear beside
     the container with one output per member. "" when it is not that layout."""
     container_path, _, _ = path.rpartition(".")
-    modules = dict(model.named_modules())
     container = modules.get(container_path)
     if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
         return ""
@@ -648,8 +648,7 @@ def _routing(model: nn.Module, path: str, ran: dict[str, Any]) -> str:
         for i, (name, (_, rows)) in enumerate(zip(shown, counts, strict=True))
     )
     text = f"routing: {routed}, {leaf}.{path.rpartition('.')[2]} on none"
-    block_path = container_path.rpartition(".")[0]
-    block = modules.get(block_path) if block_path or container_path else None
+    block = modules.get(container_path.rpartition(".")[0])  # "" is the model itself
     if block is not None:
         routers = [
             name
@@ -659,11 +658,6 @@ def _routing(model: nn.Module, path: str, ran: dict[str, Any]) -> str:
         if len(routers) == 1:
             text += f"; router `{routers[0]}`"
     return text
-
-
-def _prefixes(path: str) -> list[str]:
-    parts = path.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def _few(names: list[str], n: int = 3) -> str:

@@ -7,6 +7,7 @@ every module call, including modules the loss function calls directly.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,3 +95,13 @@ class ModuleTracer:
             roots = [t.grad_fn or t for t in tensors_in(args) if t.requires_grad]
             roots += [p for p in module.parameters() if p.requires_grad]
             record.cut_roots.extend(roots)
+
+
+def took_part(ran: Iterable[str]) -> set[str]:
+    """The module paths that took part in a forward: those that ran, and every module
+    above them (containers such as ModuleList and ModuleDict are never called)."""
+    out: set[str] = set()
+    for path in ran:
+        parts = path.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return out

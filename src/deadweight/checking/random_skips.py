@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from deadweight.checking import module_trace
 from deadweight.checking.check_stats import GradFlowStats, RandomSkip
 from deadweight.checking.state import preserved, seeded
 
@@ -128,7 +129,7 @@ def _redraw(model: nn.Module, loss_fn: Callable[[], Any]) -> list[tuple[int, fro
                     loss_fn()
             except Exception:
                 break  # the check's own forward already ran: this one tells nothing
-            took_part = {prefix for path in ran for prefix in _prefixes(path)}
+            took_part = module_trace.took_part(ran)
             missing = _outermost(h for h in holders if h not in took_part)
             out.append((seed, missing))
             if not missing:
@@ -182,8 +183,3 @@ def _outermost(paths: Iterable[str]) -> frozenset[str]:
 
 def _params_under(model: nn.Module, path: str) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad and n.startswith(path + ".")]
-
-
-def _prefixes(path: str) -> list[str]:
-    parts = path.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]

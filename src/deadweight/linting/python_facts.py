@@ -6,6 +6,7 @@ are gathered from (`Source`). Data only: no search lives here.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from deadweight.linting.source_files import Span, character_column
@@ -159,9 +160,7 @@ def imported_modules(body: list[ast.stmt]) -> tuple[str, ...]:
     """The modules a file imports at module level (also under if/try/with): `import a.b`
     -> "a.b"; `from .model import GPT` -> ".model" and ".model.GPT" (GPT may be a module)."""
     found: list[str] = []
-    stack = list(body)
-    while stack:
-        stmt = stack.pop()
+    for stmt in _module_level(body):
         if isinstance(stmt, ast.Import):
             found.extend(alias.name for alias in stmt.names)
         elif isinstance(stmt, ast.ImportFrom):
@@ -171,21 +170,13 @@ def imported_modules(body: list[ast.stmt]) -> tuple[str, ...]:
             for alias in stmt.names:
                 if alias.name != "*":
                     found.append(f"{base}.{alias.name}" if stmt.module else base + alias.name)
-        elif isinstance(stmt, (ast.If, ast.Try, ast.With)):
-            stack.extend(stmt.body)
-            stack.extend(getattr(stmt, "orelse", []))
-            stack.extend(getattr(stmt, "finalbody", []))
-            for handler in getattr(stmt, "handlers", []):
-                stack.extend(handler.body)
     return tuple(dict.fromkeys(found))
 
 
 def module_imports(body: list[ast.stmt]) -> dict[str, str]:
     """Local name -> dotted path for the imports at module level (also under if/try)."""
     names: dict[str, str] = {}
-    stack = list(body)
-    while stack:
-        stmt = stack.pop()
+    for stmt in _module_level(body):
         if isinstance(stmt, ast.Import):
             for alias in stmt.names:
                 if alias.asname:
@@ -197,10 +188,19 @@ def module_imports(body: list[ast.stmt]) -> dict[str, str]:
             base = "." * stmt.level + (stmt.module or "")
             for alias in stmt.names:
                 names[alias.asname or alias.name] = f"{base}.{alias.name}" if base else alias.name
-        elif isinstance(stmt, (ast.If, ast.Try, ast.With)):
+    return names
+
+
+def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements that run at import: `body`, and those under its if/try/with
+    blocks (in the order the two import readers have always visited them)."""
+    stack = list(body)
+    while stack:
+        stmt = stack.pop()
+        yield stmt
+        if isinstance(stmt, (ast.If, ast.Try, ast.With)):
             stack.extend(stmt.body)
             stack.extend(getattr(stmt, "orelse", []))
             stack.extend(getattr(stmt, "finalbody", []))
             for handler in getattr(stmt, "handlers", []):
                 stack.extend(handler.body)
-    return names
