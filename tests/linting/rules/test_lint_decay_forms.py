@@ -299,7 +299,9 @@ def test_dw502_on_megatron_core_optimizer_folder() -> None:
     assert MEGATRON_CORE is not None and MEGATRON_CORE.submodule_search_locations
     folder = Path(next(iter(MEGATRON_CORE.submodule_search_locations))) / "optimizer"
     text = (folder / "__init__.py").read_text(encoding="utf-8").splitlines()
-    rank_lines = [n for n, line in enumerate(text, 1) if re.search(r"len\(param\.shape\) == 1", line)]
+    rank_lines = [
+        n for n, line in enumerate(text, 1) if re.search(r"len\(param\.shape\) == 1", line)
+    ]
     assert len(rank_lines) == 2
     report = deadweight.lint_paths([folder], config=None)
     findings = report.by_code("DW502")
