@@ -11,22 +11,19 @@ Every run shares one process (megatron_loop.py), started once for the module.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.distributed.harness import free_port
+from tests.e2e.script_results import process_env, script_results
 from tests.e2e.zero_code import deadweight_run
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("megatron.core", reason="megatron-core is installed by .ci/run")
 
 SCRIPT = Path(__file__).parent / "scripts" / "megatron_loop.py"
-ROOT = Path(__file__).parents[2]
 SCALAR = "decoder.layers.2.layer_scalar"  # the last of 3 blocks: megatron_cpu.SCALAR
 INCIDENT = {"DW104", "DW203", "DW204"}
 # Found wrongly, any of these would say a healthy Megatron run's parameters do not learn.
@@ -48,30 +45,9 @@ SPECS = [
 ]
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    return env
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *SPECS],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT ") :])
-            results[result["spec"]] = result
-    assert proc.returncode == 0 and set(results) == set(SPECS), (
-        proc.stdout[-2000:] + proc.stderr[-4000:]
-    )
-    return results
+    return script_results(SCRIPT, SPECS, env=process_env(), timeout=600)
 
 
 def _run(runs: dict[str, dict[str, Any]], spec: str) -> dict[str, Any]:
@@ -189,17 +165,21 @@ def test_pin_holds_under_megatron_ddp(runs: dict[str, dict[str, Any]], precision
     assert "weight_decay=0.1" in result["refused"]  # through the main copy's group
 
 
-def test_deadweight_run_on_a_megatron_script(tmp_path: Path) -> None:
-    """The unmodified script under `deadweight run`: its loss is computed outside the
-    model (as in Megatron's own loop), so the step-0 check runs structure-only and
-    keeps the optimizer audit. The cancellation itself (DW104) needs the structural
-    proof, which does not cross the custom autograd Functions behind the norm's output
-    (Megatron's ColumnParallelLinear and vocab-parallel cross-entropy)."""
+@pytest.mark.parametrize("spec", ["plain", "plain-bf16"])
+def test_deadweight_run_on_a_megatron_script(tmp_path: Path, spec: str) -> None:
+    """The unmodified script under `deadweight run`: a torch AdamW over megatron-core's
+    groups, and Megatron's own bf16 path (its DDP, `get_megatron_optimizer`). Its loss
+    is computed outside the model (as in Megatron's own loop), so the step-0 check runs
+    structure-only and keeps the optimizer audit; the cancellation itself (DW104) needs
+    the structural proof, which does not cross the custom autograd Functions behind the
+    norm's output (Megatron's ColumnParallelLinear and vocab-parallel cross-entropy).
+    In bf16 the watch finds the model through the main copies the optimizer steps and
+    names them after its parameters."""
     report, _ = deadweight_run(
         sys.executable,
-        [sys.executable, str(SCRIPT), "plain:scalar:20"],
+        [sys.executable, str(SCRIPT), f"{spec}:scalar:20"],
         cwd=tmp_path,
-        env=_env(),
+        env=process_env(),
         log=tmp_path / "log.jsonl",
         timeout=300,
     )
@@ -207,4 +187,10 @@ def test_deadweight_run_on_a_megatron_script(tmp_path: Path) -> None:
     assert found == {"DW203": [SCALAR], "DW204": [SCALAR]}, report["findings"]
     events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     (check,) = [e for e in events if e.get("event") == "check"]
-    assert check["mode"] == "structure-only" and check["model"] == "GPTModel"
+    assert check["mode"] == "structure-only"
+    (optimizer,) = [e for e in events if e.get("event") == "optimizer"]
+    watched = [p["name"] for p in optimizer["params"]]
+    # every parameter: 2 embeddings, 3 blocks of 11 (the scalar included), final norm, output
+    assert SCALAR in watched and len(watched) == 37
+    assert not any(n.startswith(("module.", "optimizer0.")) for n in watched)
+    assert {p["dtype"] for p in optimizer["params"]} == {"float32"}  # the main copies in bf16

@@ -16,7 +16,8 @@ SPEC:
   then watched for STEPS steps (none: the check only).
 - `pin-PRECISION`: the incident's fix under megatron-core's DDP and its optimizer:
   `deadweight.pin` on the cancelled scalar, 30 steps.
-- `plain:scalar:STEPS`: the `check` run with no deadweight at all, for `deadweight run`.
+- `plain:scalar:STEPS`, `plain-bf16:scalar:STEPS`: the `check` run, and the bf16 run
+  under megatron-core's DDP and optimizer, with no deadweight at all, for `deadweight run`.
 """
 
 from __future__ import annotations
@@ -212,6 +213,16 @@ def plain(steps: int) -> dict[str, Any]:
     return {"scalar": float(dict(model.named_parameters())[mc.SCALAR])}
 
 
+def plain_ddp(steps: int) -> dict[str, Any]:
+    """Megatron's own bf16 path, no deadweight: its DDP and `get_megatron_optimizer`."""
+    wrapped = mc.ddp(mc.gpt(scalar=True, bf16=True))
+    optimizer, scheduler = mc.megatron_optimizer(wrapped, mc.optimizer_config(bf16=True))
+    scheduler.step(1)
+    for step in range(steps):
+        _step(wrapped, optimizer, scheduler, step)
+    return {"scalar": float(dict(wrapped.module.module.named_parameters())[mc.SCALAR])}
+
+
 def run(spec: str) -> dict[str, Any]:
     kind, *rest = spec.split(":")
     if kind == "check":
@@ -222,6 +233,8 @@ def run(spec: str) -> dict[str, Any]:
         return pin(kind[4:])
     if kind == "plain":
         return plain(int(rest[1]))
+    if kind == "plain-bf16":
+        return plain_ddp(int(rest[1]))
     raise SystemExit(f"unknown spec {spec!r}")
 
 
