@@ -3,8 +3,10 @@
 Each framework trains transformers' Llama code at a small random config (no
 download) on random tokens: a plain PyTorch loop, an Accelerate loop (through the
 AcceleratedOptimizer it hands back), a Lightning Fabric loop (through its
-_FabricOptimizer) and DeepSpeed's engine at ZeRO stages 2 and 3 (through the
-optimizer `deepspeed.initialize` returns; one CPU process with a gloo group). One model and optimizer train throughout; unwatched and watched
+_FabricOptimizer), DeepSpeed's engine at ZeRO stages 2 and 3 (through the
+optimizer `deepspeed.initialize` returns; one CPU process with a gloo group), and
+megatron-core's GPTModel of the same size under its DDP and its own optimizer, fp32
+and bf16 (fp32 main copies). One model and optimizer train throughout; unwatched and watched
 blocks of `--block` steps take turns (A B A B ...), and each figure is the median
 over rounds of watched block time / the unwatched block just before it. The first
 step of each block is left out (attaching the watch measures it in full).
@@ -15,11 +17,13 @@ per-iteration times ("time X ms"), plain `python train.py` against
 the per-run ratios of median iteration times.
 
     python benchmarks/framework_overhead.py [--rounds 8] [--block 20] [--nanogpt-runs 3]
+        [--only megatron]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import pickle
 import re
@@ -124,6 +128,33 @@ def deepspeed_loop(stage: int) -> tuple[Any, Any, Step]:
     return engine, opt, step
 
 
+def megatron_loop(bf16: bool) -> tuple[Any, Any, Step]:
+    """megatron-core's GPTModel (4 layers, width 256) under its DDP and the optimizer
+    `get_megatron_optimizer` builds (bf16: fp32 main copies), on CPU with the pieces
+    tests/e2e/megatron_cpu.py replaces; one process with a gloo group."""
+    sys.path.insert(0, str(ROOT))
+    from tests.e2e import megatron_cpu as mc
+
+    # The same size as the Llama above (the module's sizes are read when a model is built).
+    mc.HIDDEN, mc.LAYERS, mc.HEADS, mc.VOCAB, mc.SEQ = 256, 4, 8, VOCAB, SEQ
+    mc.start()
+    model = mc.ddp(mc.gpt(bf16=bf16))
+    config = mc.optimizer_config(bf16=bf16)
+    opt, scheduler = mc.megatron_optimizer(model, config)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+
+    def step(ids: torch.Tensor) -> None:
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        model(ids, positions, mask, labels=ids).float().mean().backward()
+        model.finish_grad_sync()
+        opt.step()
+        scheduler.step(1)
+
+    return model, opt, step
+
+
 def block_ratio(build: Callable[[], Any], rounds: int, block: int) -> tuple[float, list[float]]:
     model, opt, step = build()
     data = batches(block)
@@ -218,7 +249,9 @@ def main() -> None:
     parser.add_argument("--nanogpt-runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed loops")
+    parser.add_argument("--no-megatron", action="store_true", help="skip the megatron-core loops")
     parser.add_argument("--first-step-runs", type=int, default=5)
+    parser.add_argument("--only", help="only the loops whose name contains this (e.g. megatron)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, blocks of {args.block} steps")
@@ -233,6 +266,13 @@ def main() -> None:
             ("DeepSpeed ZeRO-2", lambda: deepspeed_loop(2)),
             ("DeepSpeed ZeRO-3", lambda: deepspeed_loop(3)),
         ]
+    if not args.no_megatron and importlib.util.find_spec("megatron.core") is not None:
+        frameworks += [
+            ("megatron-core fp32", lambda: megatron_loop(bf16=False)),
+            ("megatron-core bf16", lambda: megatron_loop(bf16=True)),
+        ]
+    if args.only:
+        frameworks = [(n, b) for n, b in frameworks if args.only.lower() in n.lower()]
     for name, build in frameworks if args.rounds > 0 else []:
         med, ratios = block_ratio(build, args.rounds, args.block)
         print(f"{name:18} {med:8.3f}x                    {' '.join(f'{r:.3f}' for r in ratios)}")

@@ -128,6 +128,7 @@ def test_the_measuring_modules_are_caught() -> None:
         "deadweight.checkpoints.checkpoint_scan",
         "deadweight.checkpoints.tensor_pass",
         "deadweight.linting.source_python",
+        "deadweight.linting.source_python_decay",
         "deadweight.linting.source_rust",
     ):
         assert measuring in _modules() and not _is_statistics(measuring)

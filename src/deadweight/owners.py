@@ -30,7 +30,10 @@ def owning_models(params: Iterable[torch.Tensor]) -> list[nn.Module]:
     for module in modules:
         if id(module) in children:
             continue
-        held = sum(1 for p in module.parameters() if id(p) in wanted)
+        # megatron-core's mixed-precision optimizers hold fp32 copies of the parameters
+        held = sum(
+            1 for p in module.parameters() if id(p) in wanted or id(wrappers.main_copy(p)) in wanted
+        )
         if held:
             roots.append((held, module))
     roots.sort(key=lambda hm: -hm[0])
@@ -47,12 +50,17 @@ def _is_module(obj: object) -> bool:
 
 def parameter_names(models: Sequence[nn.Module]) -> dict[int, str]:
     """id(param) -> name. With several models, names get the model's class as a prefix
-    (`Generator:net.0.weight`) so two `weight`s never collide."""
+    (`Generator:net.0.weight`) so two `weight`s never collide. A parameter's main copy
+    (`wrappers.main_copy`: what megatron-core's mixed-precision optimizers step) is
+    named after the parameter."""
     names: dict[int, str] = {}
     prefixes = _prefixes(models)
     for prefix, model in zip(prefixes, models, strict=True):
         for name, p in model.named_parameters():
             names.setdefault(id(p), prefix + name)
+            copy = wrappers.main_copy(p)
+            if copy is not None:
+                names.setdefault(id(copy), prefix + name)
     return names
 
 

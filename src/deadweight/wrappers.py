@@ -13,8 +13,10 @@ wrote it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -25,6 +27,8 @@ MAX_DEPTH = 16
 
 # Where each known optimizer wrapper keeps the optimizer it steps.
 _INNER_OPTIMIZER = ("optimizer", "_optimizer")
+# megatron-core's module wrappers (megatron.core.distributed, megatron.core.transformer.module).
+_MEGATRON_WRAPPERS = ("DistributedDataParallel", "Float16Module")
 
 
 def _initialised(optimizer: Any) -> bool:
@@ -80,6 +84,11 @@ def _inner_module(model: nn.Module) -> nn.Module | None:
         if isinstance(inner, nn.Module) and inner is not model:
             return inner
     cls = type(model).__name__
+    # megatron-core's DDP and its bf16/fp16 wrapper keep the user's module in `.module`.
+    if cls in _MEGATRON_WRAPPERS and type(model).__module__.startswith("megatron."):
+        inner = getattr(model, "module", None)
+        if isinstance(inner, nn.Module):
+            return inner
     # DeepSpeed's engine and Fabric's module wrapper keep the user's module in
     # `.module` (Fabric also in `._forward_module`, possibly compiled or DDP).
     if cls in ("DeepSpeedEngine", "PipelineEngine", "_FabricModule"):
@@ -146,3 +155,81 @@ def zero3_placeholder(p: torch.Tensor) -> bool:
 def deepspeed_engine(model: Any) -> bool:
     """A DeepSpeed engine anywhere in the wrappers around the user's model."""
     return any(type(m).__name__ in ("DeepSpeedEngine", "PipelineEngine") for m in _chain(model))
+
+
+# -- megatron-core: main copies and gradient buffers ---------------------------------
+
+
+def main_copy(p: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 main copy an optimizer steps in place of `p`, when there is one.
+
+    megatron-core's mixed-precision optimizers (`Float16OptimizerWithFloat16Params`,
+    and the distributed optimizer, whose copy is this rank's flat shard of `p`) hand
+    the inner torch optimizer fp32 copies of the bf16/fp16 parameters, step those and
+    copy them back, and keep each copy on its parameter as `p.main_param`.
+    """
+    copy = getattr(p, "main_param", None)
+    return copy if isinstance(copy, torch.Tensor) and copy is not p else None
+
+
+def main_copies(models: Iterable[nn.Module]) -> dict[int, torch.Tensor]:
+    """id(main copy) -> the parameter it stands for, over every parameter of `models`."""
+    found: dict[int, torch.Tensor] = {}
+    for model in models:
+        for p in model.parameters():
+            copy = main_copy(p)
+            if copy is not None:
+                found.setdefault(id(copy), p)
+    return found
+
+
+def gradient(p: torch.Tensor) -> torch.Tensor | None:
+    """`p.grad`, or, where megatron-core's DDP has moved it (its backward hook adds
+    each gradient into the parameter's slice of a bucket buffer, `p.main_grad`, and
+    sets `.grad` to None), that buffer slice."""
+    grad = p.grad
+    if grad is None:
+        main = getattr(p, "main_grad", None)
+        if isinstance(main, torch.Tensor):
+            return main
+    return grad
+
+
+@contextlib.contextmanager
+def megatron_grad_hooks_suspended(params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Inside: megatron-core's DDP leaves these parameters' gradients in `.grad`.
+
+    Its hook on each parameter's gradient accumulator moves `.grad` into `main_grad`
+    (adding to what the training step accumulated there) for the parameters in its
+    `param_to_bucket_group`; check's own backward must neither lose its gradients nor
+    add them to the script's. So each DDP holding any of `params` gets an empty map
+    for the duration (its hook then does nothing), and its own back on exit.
+    """
+    wanted = {id(p) for p in params}
+    suspended = [
+        d for d in _megatron_ddps() if any(id(p) in wanted for p in d.param_to_bucket_group)
+    ]
+    saved = [(d, d.param_to_bucket_group) for d in suspended]
+    for d in suspended:
+        d.param_to_bucket_group = {}
+    try:
+        yield
+    finally:
+        for d, buckets in saved:
+            d.param_to_bucket_group = buckets
+
+
+def _megatron_ddps() -> list[Any]:
+    """Every live megatron-core DDP (a scan of the heap, only once megatron-core's
+    distributed package is imported)."""
+    if "megatron.core.distributed" not in sys.modules:
+        return []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [
+            o
+            for o in gc.get_objects()
+            if type(o).__name__ == "DistributedDataParallel"
+            and type(o).__module__.startswith("megatron.")
+            and isinstance(getattr(o, "param_to_bucket_group", None), dict)
+        ]

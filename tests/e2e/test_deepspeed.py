@@ -7,22 +7,18 @@ parameters (watching/zero_partitions.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import free_port
+from tests.e2e.script_results import process_env, script_results
 from tests.e2e.zero_code import deadweight_run
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("deepspeed")
 
 SCRIPT = Path(__file__).parent / "scripts" / "deepspeed_loop.py"
-ROOT = Path(__file__).parents[2]
 STEPS = 60
 
 # The tiny Llama's cut-off parameters (the embedding and layer 0): DeepSpeed gives
@@ -31,12 +27,6 @@ LAYER0_NORMS = {
     "model.layers.0.input_layernorm.weight",
     "model.layers.0.post_attention_layernorm.weight",
 }
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    return env
 
 
 HEALTHY = [(0, "fp32"), (0, "bf16"), (1, "bf16"), (2, "fp32"), (3, "bf16"), (3, "fp32-offload")]
@@ -54,22 +44,7 @@ SPECS = [
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict]:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *SPECS],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT ") :])
-            results[result["spec"]] = result
-    assert proc.returncode == 0 and set(results) == set(SPECS), (
-        proc.stdout[-2000:] + proc.stderr[-4000:]
-    )
-    return results
+    return script_results(SCRIPT, SPECS, env=process_env(), timeout=1200)
 
 
 def _run(runs: dict[str, dict], stage: int, bug: str = "healthy", precision: str = "fp32",
@@ -158,7 +133,7 @@ def _zero_code(tmp_path: Path, bug: str) -> dict:
         sys.executable,
         [sys.executable, str(SCRIPT), f"2:{bug}:fp32:plain"],
         cwd=tmp_path,
-        env=_env(),
+        env=process_env(),
         log=tmp_path / f"{bug}.jsonl",
         timeout=600,
     )

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deadweight import autograd_graph, param_roles
+from deadweight import autograd_graph, param_roles, wrappers
 from deadweight.checking import cancellation, invariance, sharded_flow
 from deadweight.checking import gates as gates_module
 from deadweight.checking.cancellation import StructureTracker
@@ -460,7 +460,12 @@ def _backward(
     reached = loss_walk.leaves
     watch = autograd_graph.DropWatch(loss_walk.nodes)
     try:
-        with grads_set_aside(other_leaves), post_accumulate_hooks_suspended(params), watch:
+        with (
+            grads_set_aside(other_leaves),
+            post_accumulate_hooks_suspended(params),
+            wrappers.megatron_grad_hooks_suspended(params),
+            watch,
+        ):
             loss.backward()
     except RuntimeError as exc:
         match = _NO_FORMULA.search(str(exc))

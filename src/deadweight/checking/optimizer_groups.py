@@ -1,6 +1,8 @@
 """What an optimizer will do with each parameter: its group, learning rate, decay, rule.
 
-Works for any `torch.optim.Optimizer` subclass: only `param_groups` is read. The
+Works for any `torch.optim.Optimizer` subclass: only `param_groups` is read (a
+tensor there may be a parameter's main copy, `wrappers.main_copy`, and counts as the
+parameter). The
 update rule is recognised from the group's hyper-parameters, so optimizers from
 other libraries that follow Adam's conventions are understood too.
 """
@@ -13,11 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from deadweight import wrappers
 from deadweight.checking.check_stats import GroupInfo, OptimizerFacts
 
 
 def optimizer_facts(model: nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerFacts:
     names = {id(p): n for n, p in model.named_parameters()}  # tied parameters appear once
+    # megatron-core's mixed-precision optimizers step fp32 main copies of the parameters
+    for n, p in model.named_parameters():
+        copy = wrappers.main_copy(p)
+        if copy is not None:
+            names.setdefault(id(copy), n)
     seen = Counter(id(p) for g in optimizer.param_groups for p in g["params"])
     groups = []
     group_of: dict[str, int] = {}

@@ -5,6 +5,12 @@ checkpoints unchanged), a post-accumulate-grad hook zeroes the gradient after ev
 backward (so Adam's moments decay to exactly 0 and its update is exactly 0), and
 `_no_weight_decay` is set so `deadweight.param_groups` keeps it out of decay (decay
 would pull it towards 0 even with a zero gradient).
+
+Under megatron-core's DDP the hook still acts first: the hook its DDP puts on each
+parameter's gradient accumulator, which adds `.grad` into the parameter's slice of
+the gradient buffer (`main_grad`), runs after the tensor's post-accumulate-grad hooks,
+so it adds zeros. With megatron-core's mixed-precision optimizers, the fp32 main copy
+the optimizer steps (`p.main_param`) is what `optimizer=` clears and checks for decay.
 """
 
 from __future__ import annotations
@@ -86,14 +92,17 @@ def pin(model: nn.Module, name: str, *, optimizer: Any = None) -> PinHandle:
             "trainable, e.g. under DDP"
         )
     if optimizer is not None:
+        # megatron-core's mixed-precision optimizers step an fp32 main copy instead
+        copy = wrappers.main_copy(param)
+        stepped = param if copy is None else copy
         for index, group in enumerate(optimizer.param_groups):
-            if any(p is param for p in group["params"]) and group.get("weight_decay", 0) > 0:
+            if any(p is stepped for p in group["params"]) and group.get("weight_decay", 0) > 0:
                 raise InputError(
                     f"{name} is in param group {index} with weight_decay="
                     f"{group['weight_decay']}, which would pull it away from its value; build "
                     "the optimizer with deadweight.param_groups after pinning"
                 )
-        optimizer.state.pop(param, None)
+        optimizer.state.pop(stepped, None)
     previous = getattr(param, "_no_weight_decay", _NO_ATTR)
     hook = param.register_post_accumulate_grad_hook(_zero_grad)
     param._no_weight_decay = True  # type: ignore[attr-defined]

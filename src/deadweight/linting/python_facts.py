@@ -151,6 +151,21 @@ class Source:
         return None
 
 
+def functions_with_names(tree: ast.Module) -> Iterator[tuple[str, ast.AST]]:
+    """Every node paired with the qualified name of the function (or class) around it."""
+    stack: list[tuple[str, ast.AST]] = [("<module>", tree)]
+    while stack:
+        scope, node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = child.name if scope == "<module>" else f"{scope}.{child.name}"
+                yield name, child
+                stack.append((name, child))
+            else:
+                yield scope, child
+                stack.append((scope, child))
+
+
 def snippet(node: ast.AST, limit: int = 60) -> str:
     text = ast.unparse(node)
     return text if len(text) <= limit else text[: limit - 1] + "…"

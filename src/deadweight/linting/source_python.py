@@ -26,16 +26,16 @@ from deadweight.linting.python_facts import (
     CheckpointCall,
     ModuleCuts,
     PythonSourceFacts,
-    RankDecayChoice,
-    RankTest,
     ScalarParameter,
     Source,
+    functions_with_names,
     imported_modules,
     module_imports,
     snippet,
 )
 from deadweight.linting.source_files import Span
 from deadweight.linting.source_python_cuts import find_module_cuts
+from deadweight.linting.source_python_decay import find_rank_decay, may_decide_decay_by_rank
 from deadweight.linting.suppressions import Suppressions
 
 
@@ -46,7 +46,7 @@ def probe_python(text: str, path: str) -> PythonSourceFacts:
     modules: tuple[ModuleCuts, ...] = ()
     if "def forward" in text:
         modules = tuple(find_module_cuts(source))
-    rank_decay = tuple(find_rank_decay(source)) if _may_decide_decay_by_rank(text) else ()
+    rank_decay = tuple(find_rank_decay(source)) if may_decide_decay_by_rank(text) else ()
     gaps = tuple(find_autograd_gaps(source)) if any(w in text for w in _AUTOGRAD_WORDS) else ()
     checkpoints: tuple[CheckpointCall, ...] = ()
     if "utils.checkpoint" in text or "utils import checkpoint" in text:
@@ -81,161 +81,6 @@ def find_suppressions(text: str) -> Suppressions:
     except (tokenize.TokenError, SyntaxError):  # the ast parsed it; keep what was read
         pass
     return table
-
-
-def functions_with_names(tree: ast.Module) -> Iterator[tuple[str, ast.AST]]:
-    """Every node paired with the qualified name of the function (or class) around it."""
-    stack: list[tuple[str, ast.AST]] = [("<module>", tree)]
-    while stack:
-        scope, node = stack.pop()
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                name = child.name if scope == "<module>" else f"{scope}.{child.name}"
-                yield name, child
-                stack.append((name, child))
-            else:
-                yield scope, child
-                stack.append((scope, child))
-
-
-# ---------------------------------------------------------------- DW502 rank-based decay
-
-_RANK_ATTRS = {"ndim"}
-_RANK_METHODS = {"dim", "ndimension"}
-_SHAPE_ATTRS = {"shape"}
-_SHAPE_METHODS = {"size"}
-
-
-_WD = re.compile(r"(?<![A-Za-z0-9])wd(?![A-Za-z0-9])", re.IGNORECASE)
-_RANK_WORDS = ("ndim", ".dim()", "ndimension", ".shape)", ".size())")
-
-
-def _may_decide_decay_by_rank(text: str) -> bool:
-    """Both a rank test and a word about weight decay appear somewhere in the text."""
-    if not any(word in text for word in _RANK_WORDS):
-        return False
-    return "decay" in text.lower() or _WD.search(text) is not None
-
-
-def _decay_word(word: str) -> bool:
-    lowered = word.lower()
-    if "decay" in lowered:
-        return True
-    parts = lowered.replace("-", "_").split("_")
-    return "wd" in parts
-
-
-def rank_subject(node: ast.AST) -> ast.AST | None:
-    """`X` when `node` is `len(X.shape)`, `len(X.size())`, `X.ndim`, `X.dim()` or `X.ndimension()`."""
-    if isinstance(node, ast.Attribute) and node.attr in _RANK_ATTRS:
-        return node.value
-    if (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and not node.args
-        and node.func.attr in _RANK_METHODS
-    ):
-        return node.func.value
-    if (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id == "len"
-        and len(node.args) == 1
-    ):
-        arg = node.args[0]
-        if isinstance(arg, ast.Attribute) and arg.attr in _SHAPE_ATTRS:
-            return arg.value
-        if (
-            isinstance(arg, ast.Call)
-            and isinstance(arg.func, ast.Attribute)
-            and arg.func.attr in _SHAPE_METHODS
-            and not arg.args
-        ):
-            return arg.func.value
-    return None
-
-
-_COMPARE = {
-    ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b, ast.Lt: lambda a, b: a < b,
-    ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
-}  # fmt: skip
-# Ranks 0, 1, 2 and "3 or more": the thresholds tested are 0 to 2, so this is every case.
-_RANKS = (0, 1, 2, 3)
-
-
-def _is_rank_test(node: ast.Compare) -> bool:
-    return _ranks_passing(node) is not None
-
-
-def _ranks_passing(node: ast.Compare) -> frozenset[int] | None:
-    """The tensor ranks for which a rank test holds: `p.dim() < 2` -> {0, 1}."""
-    if len(node.ops) != 1 or type(node.ops[0]) not in _COMPARE:
-        return None
-    compare = _COMPARE[type(node.ops[0])]
-    left, right = node.left, node.comparators[0]
-    for side, other, flipped in ((left, right, False), (right, left, True)):
-        if (
-            rank_subject(side) is not None
-            and isinstance(other, ast.Constant)
-            and isinstance(other.value, int)
-            and not isinstance(other.value, bool)
-            and 0 <= other.value <= 2
-        ):
-            k = other.value
-            return frozenset(r for r in _RANKS if (compare(k, r) if flipped else compare(r, k)))
-    return None
-
-
-def _decay_words_in(nodes: list[ast.AST]) -> list[str]:
-    words: list[str] = []
-    for root in nodes:
-        for node in ast.walk(root):
-            if isinstance(node, ast.Name):
-                word = node.id
-            elif isinstance(node, ast.Attribute):
-                word = node.attr
-            elif isinstance(node, ast.keyword) and node.arg:
-                word = node.arg
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                word = node.value
-            elif isinstance(node, ast.arg):
-                word = node.arg
-            else:
-                continue
-            if len(word) < 64 and _decay_word(word) and word not in words:
-                words.append(word)
-    return words
-
-
-def find_rank_decay(source: Source) -> Iterator[RankDecayChoice]:
-    parents: dict[ast.AST, ast.AST] = {}
-    tests: list[tuple[str, ast.Compare]] = []
-    for function, node in functions_with_names(source.tree):
-        for child in ast.iter_child_nodes(node):
-            parents[child] = node
-        if isinstance(node, ast.Compare) and _is_rank_test(node):
-            tests.append((function, node))
-    # One decay rule is often written twice, once per group (nanoGPT's `p.dim() >= 2` and
-    # `p.dim() < 2`): tests of one function that draw the same line are one choice,
-    # reported at the first, the others its partners.
-    groups: list[tuple[str, frozenset[int], ast.Compare, list[str], list[ast.Compare]]] = []
-    for function, test in sorted(tests, key=lambda ft: (ft[1].lineno, ft[1].col_offset)):
-        words = _decay_words_in(_deciding_region(test, parents))
-        if not words:
-            continue
-        ranks = _ranks_passing(test) or frozenset()
-        line = {ranks, frozenset(_RANKS) - ranks}
-        group = next((g for g in groups if g[0] == function and g[1] in line), None)
-        if group is None:
-            groups.append((function, ranks, test, words, []))
-        else:
-            group[4].append(test)
-            group[3].extend(w for w in words if w not in group[3])
-    for function, _, test, words, partners in groups:
-        yield RankDecayChoice(
-            source.span(test), function, snippet(test), tuple(words[:4]),
-            tuple(RankTest(source.span(p), snippet(p)) for p in partners),
-        )  # fmt: skip
 
 
 # ---------------------------------------------------------------- parameters of shape [] / [1]
@@ -361,26 +206,6 @@ def _number_like(node: ast.AST) -> bool:
 
 def _is_false(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and node.value is False
-
-
-def _deciding_region(test: ast.AST, parents: dict[ast.AST, ast.AST]) -> list[ast.AST]:
-    """What the comparison decides: the if statement it tests (or, for an early
-    `continue`, the loop around it), the comprehension's assignment, the dict literal it
-    sits in, or the assignment of its result."""
-    node: ast.AST = test
-    while node in parents:
-        parent = parents[node]
-        if isinstance(parent, ast.If) and node is parent.test:
-            if all(isinstance(s, (ast.Continue, ast.Pass, ast.Break)) for s in parent.body):
-                loop: ast.AST = parent
-                while loop in parents and not isinstance(loop, (ast.For, ast.While)):
-                    loop = parents[loop]
-                return [loop]
-            return [parent]
-        if isinstance(parent, ast.stmt):
-            return [parent]
-        node = parent
-    return [node]
 
 
 # ---------------------------------------------------------------- DW503 autograd gaps

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from deadweight import wrappers
 from deadweight.distributed import ranks as distributed
 from deadweight.fingerprints import fingerprint
 
@@ -132,7 +133,9 @@ GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
 def _own_grad(p: torch.Tensor) -> torch.Tensor | None:
-    return p.grad
+    # megatron-core's DDP keeps gradients in `main_grad` (`.grad` is None until its
+    # optimizer copies them over for the step)
+    return wrappers.gradient(p)
 
 
 class _Bucket:
@@ -503,9 +506,12 @@ class StepMonitor:
         passengers: Sequence[tuple[str, torch.Tensor]] = (),
         start_step: int = 0,
         shards: distributed.Shards | None = None,
+        main_copies: Collection[int] = (),
     ) -> None:
         """`shards`: the parameters are DTensors (FSDP2); every rank must then watch
-        the same optimizer, since each watched step combines the ranks' slices."""
+        the same optimizer, since each watched step combines the ranks' slices.
+        `main_copies`: ids of the optimizer's tensors that are main copies of
+        parameters (`wrappers.main_copy`): watched although they need no gradient."""
         self.index = index
         self.shards = shards
         self.optimizer = optimizer
@@ -528,7 +534,7 @@ class StepMonitor:
         seen: set[int] = set()
         for g_index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
-                if id(p) not in seen and p.requires_grad:
+                if id(p) not in seen and (p.requires_grad or id(p) in main_copies):
                     seen.add(id(p))
                     params.append(p)
                     groups.append(g_index)

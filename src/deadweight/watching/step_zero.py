@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deadweight import autograd_graph
+from deadweight import autograd_graph, wrappers
 from deadweight.findings import Finding
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class Replay:
         module, args, kwargs, path = self.module, self.args, self.kwargs, self.path
         if self.exact:
             return lambda: _pick(module(*args, **kwargs), path)
-        reached = [p for p in module.parameters() if p.requires_grad and p.grad is not None]
+        reached = [p for p in module.parameters() if p.requires_grad and _got_gradient(p)]
         projection: dict[str, torch.Tensor] = {}
 
         def stand_in() -> torch.Tensor:
@@ -107,6 +107,16 @@ class Replay:
             return loss
 
         return stand_in
+
+
+def _got_gradient(p: torch.Tensor) -> bool:
+    """The script's backward gave `p` a gradient: in `.grad`, or, under megatron-core's
+    DDP, added into its slice of the gradient buffer (zeroed before each step's
+    backward, so a slice that is still all zero got nothing). Once, at step 0."""
+    grad = wrappers.gradient(p)
+    if grad is None:
+        return False
+    return grad is p.grad or bool(grad.any())
 
 
 def _tensors(obj: Any, path: Path = (), depth: int = 0) -> Iterator[tuple[Path, torch.Tensor]]:

@@ -169,11 +169,15 @@ class Watch:
         self._loss_after_step: bool | None = None  # how the loop logs, seen at its first call
         self._loss_off = False  # set when recording the loss failed once
         self._names: dict[int, str] = owners.parameter_names(self.models)
+        # id(main copy) -> its parameter, for megatron-core's mixed-precision optimizers
+        self._main_copies: dict[int, torch.Tensor] = wrappers.main_copies(self.models)
         self._emit(start_event(config.to_dict(), argv))
         watched = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
         for opt in optimizers:  # DeepSpeed's view watches the parameters' fp32 masters
             if isinstance(opt, zero_partitions.ZeroView):
                 watched.update(id(p) for p in opt.owners.values())
+        # and megatron-core's optimizers their fp32 main copies
+        watched.update(id(p) for copy, p in self._main_copies.items() if copy in watched)
         passengers = [
             (n, p)
             for model in self.models
@@ -241,9 +245,11 @@ class Watch:
             )
 
     def _count_backwards(self, optimizer: torch.optim.Optimizer) -> None:
-        trainable = [
-            p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and p.is_leaf
+        # A main copy never takes part in backward: its parameter is counted instead.
+        tensors = [
+            self._main_copies.get(id(p), p) for g in optimizer.param_groups for p in g["params"]
         ]
+        trainable = [p for p in tensors if p.requires_grad and p.is_leaf]
         for p in {id(p): p for p in (trainable[:1] + trainable[-1:])}.values():
             if id(p) in self._backward_counts:
                 continue
@@ -302,8 +308,9 @@ class Watch:
             return name
 
         monitor = StepMonitor(
-            index, optimizer, name_of, self._emit, self.config, passengers, start_step, shards
-        )
+            index, optimizer, name_of, self._emit, self.config, passengers, start_step, shards,
+            main_copies=self._main_copies,
+        )  # fmt: skip
         self._monitors[id(optimizer)] = monitor
         ranks = self._job_ranks()
         if ranks is not None:
@@ -804,6 +811,8 @@ class GlobalWatch(Watch):
             models = owners.owning_models(params)
             for name_id, name in owners.parameter_names(models).items():
                 self._names.setdefault(name_id, name)
+            for copy_id, p in wrappers.main_copies(models).items():
+                self._main_copies.setdefault(copy_id, p)
         except Exception as exc:  # unnamed parameters are still watched
             self._error("names", exc)
 

@@ -150,12 +150,21 @@ def shape_based_decay(run: PythonRunFacts) -> Iterator[Finding]:
     Finds comparisons of a tensor's rank (`len(p.shape) == 1`, `len(p.size()) == 1`,
     `p.ndim < 2`, `p.dim() >= 2`, `p.ndimension() == 1`) that decide something
     about weight decay: the `if` they test, the list they filter or the value they
-    choose mentions decay (`no_decay`, `"weight_decay"`, `wd`). Shape checks that
-    have nothing to do with weight decay (in `forward`, in weight initialisation)
-    are left alone. One rule written once per group, like nanoGPT's
-    `p.dim() >= 2` for the decayed parameters and `p.dim() < 2` for the others, is
-    reported once, at the first comparison, with the others of the same function
-    that draw the same line as its partners.
+    choose mentions decay (`no_decay`, `"weight_decay"`, `wd`, `wd_mult`). When the
+    statement itself does not say, the result is followed for a few steps: through
+    the names it is stored in or fills, and out of a helper through its return value
+    to its callers. So Megatron-LM's
+    `ParamPredicate(fn=lambda param: len(param.shape) == 1)`, stored in a `ParamKey`
+    whose override sets `wd_mult=0.0`, is found, and so is `def is_matrix(p): return
+    p.dim() >= 2` when its caller builds the decay group; each is reported at the rank
+    test. A value handed to a function beside other arguments, or stored in a
+    container the whole function reads (`state`), is not followed. Shape checks that
+    have nothing to do with weight decay (in `forward`, in weight initialisation, a
+    learning-rate override) are left alone. One rule written once per group, like
+    nanoGPT's `p.dim() >= 2` for the decayed parameters and `p.dim() < 2` for the
+    others, is reported once, at the first comparison, with the others of the same
+    function that draw the same line as its partners; the two branches of an
+    if/else are two rules.
 
     A warning says what will happen to the run; a choice that is exact and harmless
     is info. So the finding is a warning when the code in sight of the rule creates
@@ -191,7 +200,9 @@ def shape_based_decay(run: PythonRunFacts) -> Iterator[Finding]:
     Decide by what a parameter is, not by its shape:
     `torch.optim.AdamW(deadweight.param_groups(model, weight_decay=0.1), lr=...)`
     exempts biases, normalization weights and parameters tagged
-    `_no_weight_decay`, and decays everything else, scalars included.
+    `_no_weight_decay`, and decays everything else, scalars included. With
+    Megatron-LM's overrides, key the exemption on that attribute or on names instead
+    of the rank (see docs/megatron.md).
 
     ## Evidence
     - `expression`: the rank test (`p.ndim < 2`, `len(p.shape) == 1`, ...).
