@@ -16,6 +16,7 @@ from deadweight.checking.check_stats import (
 from deadweight.checking.rules._explain import CutGroup, explain
 from deadweight.findings import Finding, Location, Severity
 from deadweight.registry import get_rule, rule
+from deadweight.wording import module_of
 
 # Explanations that are often benign (data-dependent routing, a head that a
 # fine-tuning recipe does not use) are warnings, not errors.
@@ -143,7 +144,6 @@ def no_gradient(stats: GradFlowStats) -> Iterator[Finding]:
                 severity=Severity.WARNING if soft else None,
             )
         else:
-            owner = params[names[0]].module
             message = (
                 f"{subject} no gradient{skipper}: nothing that reaches the loss uses "
                 f"{'them' if n > 1 else 'it'} in this forward."
@@ -151,7 +151,7 @@ def no_gradient(stats: GradFlowStats) -> Iterator[Finding]:
             yield get_rule("DW101").finding(
                 message,
                 params=names,
-                location=Location(module=owner),
+                location=module_of(names),
                 evidence=evidence,
                 fix="Use the parameter in the forward, or delete it or freeze it with "
                 "requires_grad_(False) if it is not meant to be trained.",

@@ -53,7 +53,7 @@ def not_in_optimizer(stats: GradFlowStats) -> Iterator[Finding]:
             f"{len(names)} trainable parameter(s) are in no param group of {facts.name} "
             f"({name_list(names)}), so they are never updated.",
             params=names,
-            location=module_of(names[0]),
+            location=module_of(names),
             evidence={"optimizer": facts.name, "groups": len(facts.groups)},
         )
 
