@@ -693,7 +693,8 @@ class GlobalWatch(Watch):
         first = self._first
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if first is not None and not first.done:  # while the graph is whole
+            # While the graph is whole; the step-0 check's own backward is not the script's.
+            if first is not None and not first.done and not self._checking:
                 self._loss_to_check(first, tensor, args, kwargs)
             result = original(tensor, *args, **kwargs)
             if self._checking:  # the step-0 check's own backward is not the script's
@@ -738,33 +739,36 @@ class GlobalWatch(Watch):
                 first.on_backward(tensor)
 
     def _global_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
-        first = self._first
-        if first is not None and not first.done and first.ready(args, kwargs):
-            self._step_zero(first, optimizer)
+        monitor: StepMonitor | None = None
         with contextlib.suppress(Exception):
             monitor = self._current_monitor(optimizer)
-            if monitor is None:
-                if optimizer in self._unwatched:
-                    return None
-                if self._zero_inner(optimizer):
-                    return None
+            if (
+                monitor is None
+                and optimizer not in self._unwatched
+                and not self._zero_inner(optimizer)
+            ):
                 monitor = self._discover(optimizer)
-                if monitor is None:
-                    return None
+        # After discovery, so the check names the parameters as the watch does.
+        first = self._first
+        if first is not None and not first.done and first.before_step(optimizer, args, kwargs):
+            self._step_zero(first, optimizer)
+        if monitor is None:
+            return None
+        with contextlib.suppress(Exception):
             return _begin_step(monitor, args, kwargs)
         return None
 
     def _global_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         first = self._first
-        if first is not None and not first.done:  # the backward ran inside step(closure)
+        if first is not None and first.after_step(optimizer):  # backward ran in step(closure)
             self._step_zero(first, optimizer)
         self._post_hook(optimizer, args, kwargs)
 
     def _step_zero(self, first: FirstStep, optimizer: torch.optim.Optimizer) -> None:
-        """The step-0 check, into the log; never stops the script."""
+        """The step-0 check of this optimizer, into the log; never stops the script."""
         self._checking = True
         try:
-            event = first.run(optimizer)
+            event = first.run(optimizer, self._names)
         except Exception as exc:
             self._error("step-0 check", exc)
             return
