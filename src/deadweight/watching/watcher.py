@@ -437,6 +437,12 @@ class Watch:
             self._loss_failed(exc)
 
     @property
+    def writes_log(self) -> bool:
+        """Whether the log is open and writable (False before the first step in zero-code
+        mode, without a log, or after writing failed)."""
+        return self._writer is not None
+
+    @property
     def steps_taken(self) -> int:
         """Optimizer steps since watching began (of the optimizer that stepped most):
         the step numbers of the log and of `log_loss`."""
@@ -641,8 +647,8 @@ class GlobalWatch(Watch):
         loss: bool = True,
         check: bool = False,
     ) -> None:
-        """`loss`: record the loss at each `.backward()`; `check`: run
-        `deadweight.check` on the first training batch at the first optimizer step
+        """`loss`: record the loss at each `.backward()` (counted either way); `check`:
+        run `deadweight.check` on the first training batch at the first optimizer step
         (watching/step_zero.py)."""
         super().__init__(config=config, log=log, argv=argv, lazy_log=True)
         from torch.optim.optimizer import (
@@ -664,8 +670,9 @@ class GlobalWatch(Watch):
             self._restore.append(self._first.close)
         if loss:
             self._patch_scale()
-        if loss or check:
-            self._patch_backward()
+        # Always: the backward passes it counts tell `deadweight run` a process that
+        # trained without any optimizer step it could watch (watching/run_status.py).
+        self._patch_backward()
 
     @property
     def backwards(self) -> int:
