@@ -388,7 +388,11 @@ def test_a_vae_with_the_sample_drawn_between_encoder_and_decoder() -> None:
 
 def _at_lines(findings: Any) -> set[tuple[str, tuple[str, ...], Any]]:
     return {
-        (f.code, tuple(sorted(f.params)), (f.location.file, f.location.line) if f.location else None)
+        (
+            f.code,
+            tuple(sorted(f.params)),
+            (f.location.file, f.location.line) if f.location else None,
+        )
         for f in findings
     }
 
