@@ -11,6 +11,7 @@ loss reached while parameters inside it got nothing). These become a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from deadweight.checking.check_stats import Cut, GradFlowStats, LossInfo, ParamInfo, Site
@@ -79,17 +80,10 @@ def first_backward_findings(
                 has_grad=p.has_grad,
                 reaches_loss=p.has_grad,
                 in_optimizer=True,
-                numel=_numel(p.shape),
+                numel=math.prod(p.shape),
             )
             for p in params
         ],
         cuts=cuts,
     )
     return [f for code in RULES for f in get_rule(code).judge(stats)]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

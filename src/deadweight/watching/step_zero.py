@@ -39,10 +39,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import gc
 import logging
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deadweight import autograd_graph
+from deadweight import autograd_graph, owners
 from deadweight.findings import Finding
 
 log = logging.getLogger(__name__)
@@ -667,7 +665,8 @@ def _held_elsewhere(finding: Finding, model: nn.Module, optimizer: Any) -> bool:
     check of the generator's step): they are in an optimizer, just not this one."""
     if finding.code != "DW201" or not finding.params:
         return False
-    held = live_optimizer_params(optimizer)
+    others = owners.live_optimizers(optimizer)[1:]
+    held = {id(p) for opt in others for g in opt.param_groups for p in g["params"]}
     by_name = dict(model.named_parameters())
     return all(n in by_name and id(by_name[n]) in held for n in finding.params)
 
@@ -689,20 +688,6 @@ def _structural(finding: Finding) -> Finding:
     if finding.code in CANCELLED:
         return dataclasses.replace(finding, message=finding.message + STAND_IN)
     return finding
-
-
-def live_optimizer_params(stepping: Any) -> set[int]:
-    """Ids of the parameters that live torch optimizers other than `stepping` hold."""
-    held: set[int] = set()
-    with warnings.catch_warnings():  # isinstance() touches deprecated module proxies
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            try:
-                if isinstance(obj, torch.optim.Optimizer) and obj is not stepping:
-                    held.update(id(p) for g in obj.param_groups for p in g["params"])
-            except Exception:  # lazy proxies can raise on __class__
-                continue
-    return held
 
 
 # -- the modules of a pipeline as one model -------------------------------------------------

@@ -17,11 +17,9 @@ hooks that pick up every optimizer a script creates.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -827,7 +825,7 @@ class GlobalWatch(Watch):
             self._name_from_models(
                 [
                     p
-                    for opt in _live_optimizers(optimizer)
+                    for opt in owners.live_optimizers(optimizer)
                     for g in opt.param_groups
                     for p in g["params"]
                 ]
@@ -899,19 +897,6 @@ def _begin_step(monitor: StepMonitor, args: tuple[Any, ...], kwargs: dict[str, A
     if "closure" in kwargs:
         return args, {**kwargs, "closure": measured_closure}
     return (args[0], measured_closure, *args[2:]), kwargs
-
-
-def _live_optimizers(first: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-    found = [first]
-    with warnings.catch_warnings():  # isinstance() touches deprecated module proxies
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            try:
-                if isinstance(obj, torch.optim.Optimizer) and obj is not first:
-                    found.append(obj)
-            except Exception:  # lazy proxies can raise on __class__
-                continue
-    return found
 
 
 def watch(
