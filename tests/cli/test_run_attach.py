@@ -131,6 +131,32 @@ import torch
 )
 
 
+# A finder of the script's own, ahead of deadweight's, hands out torch's spec.
+FINDER_AHEAD = (
+    """
+import importlib.machinery, sys
+
+class Ahead:
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            return importlib.machinery.PathFinder.find_spec(name, path, target)
+        return None
+
+sys.meta_path.insert(0, Ahead())
+import torch
+import colorsys  # the next module imported once torch is complete
+"""
+    + LOOP
+)
+
+
+def test_torch_found_by_another_finder_is_watched_from_the_next_import(tmp_path):
+    (tmp_path / "train.py").write_text(FINDER_AHEAD)
+    done = dw_run(tmp_path, sys.executable, "train.py")
+    assert done.returncode == 0, done.stderr
+    assert steps(tmp_path / "run.jsonl") == 3
+
+
 def test_torch_loaded_where_deadweight_cannot_see_it_is_said_and_exits_2(tmp_path):
     (tmp_path / "train.py").write_text(PAST_THE_HOOK)
     done = dw_run(tmp_path, sys.executable, "train.py")
