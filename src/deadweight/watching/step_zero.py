@@ -404,7 +404,9 @@ class FirstStep:
         return self._plan.replay if self._plan is not None else None
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if self._paused:
+        # Not inside code torch.compile traces (a module compiled in place): the hooks
+        # would be traced into its graph, or break it.
+        if self._paused or torch.compiler.is_compiling():
             return
         if self._depth == 0:
             self._root = module
@@ -425,7 +427,7 @@ class FirstStep:
         self._handles = [root.register_forward_hook(self._post, with_kwargs=True, always_call=True)]
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any = _RAISED) -> None:
-        if self._paused:
+        if self._paused or torch.compiler.is_compiling():
             return
         if not self._local:
             self._depth = max(0, self._depth - 1)
