@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deadweight import autograd_graph, owners
+from deadweight import autograd_graph, owners, wrappers
 from deadweight.findings import Finding
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,9 @@ class Replay:
     steps: list[_Step]
     sinks: list[Place]  # the loss itself (exact), or the outputs it was computed from
     exact: bool
+    # Call the user's own modules inside framework wrappers (a pipeline of several:
+    # a DDP wrapper's forward would prepare a gradient sync for the check's backward).
+    unwrapped: bool = False
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -128,7 +131,8 @@ class Replay:
             for path, (i, where) in step.links.items():
                 inputs = _replace(inputs, path, _pick(outputs[i], where))
             args, kwargs = inputs
-            outputs[step.index] = step.module(*args, **kwargs)
+            module = wrappers.user_model(step.module) if self.unwrapped else step.module
+            outputs[step.index] = module(*args, **kwargs)
         return outputs
 
     def loss_fn(self, params: list[nn.Parameter]) -> Callable[[], torch.Tensor]:
@@ -556,6 +560,7 @@ def _checked(plan: _Plan, optimizer: Any, names: dict[int, str]) -> dict[str, An
     model: nn.Module | None = None
     if replay is not None:
         model = _pipeline(replay.modules, names)
+        replay.unwrapped = isinstance(model, _Pipeline)
         params = [p for _, p in model.named_parameters()]
         try:
             report = check(model, replay.loss_fn(params), optimizer)
@@ -654,7 +659,7 @@ def _name(p: torch.Tensor, names: dict[int, str]) -> str:
 def _module_path(module: nn.Module, names: dict[int, str]) -> str:
     """The module's path as the watch names its parameters ("" for a model itself,
     `Encoder:` for one of several models, `transformer.h.1` inside one)."""
-    for local, p in module.named_parameters():
+    for local, p in wrappers.user_model(module).named_parameters():
         name = names.get(id(p))
         if name is not None and name.endswith(local):
             prefix = name[: len(name) - len(local)]
@@ -696,11 +701,12 @@ def _structural(finding: Finding) -> Finding:
 
 
 def _pipeline(modules: list[nn.Module], names: dict[int, str]) -> nn.Module:
-    """The model to check: the one module itself when the watch names its parameters
-    as the module does, else `_Pipeline` over them all."""
-    members = [(_module_path(m, names), m) for m in modules]
+    """The model to check: the one module itself (inside its framework wrapper, which
+    check looks through) when the watch names its parameters as the module does, else
+    `_Pipeline` over the user's own modules."""
+    members = [(_module_path(m, names), wrappers.user_model(m)) for m in modules]
     if len(members) == 1 and members[0][0] == "":
-        return members[0][1]
+        return modules[0]
     return _Pipeline(members)
 
 
