@@ -549,3 +549,28 @@ def test_forwards_are_not_held_past_their_backward_nor_discarded_ones_piled_up()
 
     zero_code(loop)
     assert released == [True]
+
+
+def test_gradients_kept_outside_grad_prove_nothing_and_are_not_called_missing() -> None:
+    """Megatron keeps gradients in `main_grad`: with no replay, a `.grad` of None on
+    every parameter is no evidence of a cut, and nothing is reported from it."""
+    torch.manual_seed(0)
+    model = _OnceOnly()
+    for p in model.parameters():
+
+        def to_main_grad(p: torch.Tensor) -> None:
+            p.main_grad = p.grad.clone()  # type: ignore[attr-defined,union-attr]
+            p.grad = None
+
+        p.register_post_accumulate_grad_hook(to_main_grad)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loop() -> None:
+        for _ in range(STEPS):
+            model(torch.randn(8, 6)).pow(2).mean().backward()
+            opt.step()
+
+    report = zero_code(loop)
+    assert report.subject["step0"]["mode"] == "unavailable"
+    assert "proves nothing either" in report.subject["step0"]["note"]
+    assert step0(report) == []

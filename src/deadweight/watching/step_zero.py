@@ -553,6 +553,13 @@ def _checked(plan: _Plan, optimizer: Any, names: dict[int, str]) -> dict[str, An
     from deadweight.checking.api import check
 
     replay = plan.replay
+    if replay is not None and any(wrappers.deepspeed_engine(m) for m in replay.modules):
+        # Its gradient hooks would run in the check's backward, and it keeps the
+        # gradients in its own buffers: neither a replay nor `.grad` can be read.
+        return _unavailable(
+            "deadweight.check cannot run its backward through a DeepSpeed engine: call it "
+            "on the model before deepspeed.initialize() (watch works on the engine)"
+        )
     findings: list[Finding] = []
     covered: set[int] = set()
     mode, note = "from-backward", plan.note or "no replay"
@@ -592,10 +599,17 @@ def _checked(plan: _Plan, optimizer: Any, names: dict[int, str]) -> dict[str, An
                     "loss for the rest)"
                 )
     # The stepping optimizer's parameters the replay did not cover: what the script's
-    # own backward proves about them.
-    rest = [p for p in _optimizer_params(optimizer) if id(p) not in covered and p.requires_grad]
-    if rest:
+    # own backward proves about them. Only where its gradients are in `.grad` at all
+    # (Megatron keeps them in `main_grad`): else a missing `.grad` proves nothing.
+    stepping = [p for p in _optimizer_params(optimizer) if p.requires_grad]
+    rest = [p for p in stepping if id(p) not in covered]
+    if rest and any(p.grad is not None for p in stepping):
         findings += _from_backward(rest, plan, optimizer, names)
+    elif rest and mode == "from-backward":
+        return _unavailable(
+            f"{note}; and no parameter of {type(optimizer).__name__} holds a gradient in "
+            "`.grad` at its first step, so the script's backward proves nothing either"
+        )
     if mode == "from-backward":
         note = (
             f"{note}; reported instead: what the script's own first backward proves (which "
