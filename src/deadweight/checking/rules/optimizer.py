@@ -386,7 +386,9 @@ def decay_on_no_decay_param(stats: GradFlowStats) -> Iterator[Finding]:
     if not facts:
         return
     roles = {p.name: p.role for p in stats.params}
-    decayed = [n for g in facts.groups if g.weight_decay > 0 for n in g.names]
+    # A frozen parameter is never updated, its decay included (DW202 names it).
+    trainable = {p.name for p in stats.params if p.trainable}
+    decayed = [n for g in facts.groups if g.weight_decay > 0 for n in g.names if n in trainable]
     tagged = [n for n in decayed if roles[n] == param_roles.TAGGED]
     plain = [n for n in decayed if roles[n] in (param_roles.BIAS, param_roles.NORM_WEIGHT)]
     if tagged:
