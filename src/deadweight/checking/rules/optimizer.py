@@ -359,8 +359,8 @@ def lr_zero(stats: GradFlowStats) -> Iterator[Finding]:
 def decay_on_no_decay_param(stats: GradFlowStats) -> Iterator[Finding]:
     """
     ## What it does
-    Lists parameters in param groups with weight decay above 0 that should not be
-    decayed: a parameter tagged `_no_weight_decay = True` (warning: someone said so
+    Lists trainable parameters in param groups with weight decay above 0 that should
+    not be decayed (a frozen one is never updated, its decay included): a parameter tagged `_no_weight_decay = True` (warning: someone said so
     explicitly), a normalization weight or a bias (info). Normalization weights are
     recognised by module type, so `ln_1`, `input_layernorm` and custom RMSNorm
     classes count, which name-substring rules such as `["bias", "LayerNorm.weight"]`
