@@ -41,6 +41,20 @@ def owning_models(params: Iterable[torch.Tensor]) -> list[nn.Module]:
     return [wrappers.user_model(m) for _, m in roots]
 
 
+def live_optimizers(first: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """`first` and every other live torch optimizer (found through the garbage collector)."""
+    found = [first]
+    with warnings.catch_warnings():  # isinstance() touches deprecated module proxies
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.optim.Optimizer) and obj is not first:
+                    found.append(obj)
+            except Exception:  # lazy proxies can raise on __class__
+                continue
+    return found
+
+
 def _is_module(obj: object) -> bool:
     try:
         return isinstance(obj, nn.Module)

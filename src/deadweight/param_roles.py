@@ -52,14 +52,15 @@ def is_embedding_module(module: nn.Module) -> bool:
 
 def parameter_roles(model: nn.Module) -> dict[str, tuple[str, str]]:
     """name -> (role, owner module class) for every parameter, tied ones once."""
-    owners = {}
-    for module_name, module in model.named_modules():
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    for _, module in model.named_modules():
         for local, p in module.named_parameters(recurse=False):
-            full = f"{module_name}.{local}" if module_name else local
-            owners[full] = (module, local, p)
+            owners.setdefault(id(p), (module, local))
     roles = {}
-    for name, _ in model.named_parameters():
-        module, local, p = owners[name]
+    for name, p in model.named_parameters():
+        # By identity: the name need not be the module path and the local name joined
+        # (`deadweight run` names the parameters of several models `Encoder:fc.weight`).
+        module, local = owners[id(p)]
         if getattr(p, "_no_weight_decay", False):
             role = TAGGED
         elif local == "bias" or local.endswith("_bias"):

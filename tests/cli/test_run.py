@@ -224,7 +224,7 @@ def test_a_command_that_steps_no_optimizer(tmp_path):
     result = dw_run(tmp_path, NO_OPTIMIZER)
     assert result.returncode == 4
     assert "just data prep" in result.stdout
-    assert "the command stepped no optimizer, so there is nothing to report" in result.stderr
+    assert "the command imported torch in no Python process deadweight could see" in result.stderr
     assert not (tmp_path / "run.jsonl").exists()
 
 

@@ -31,6 +31,35 @@ def test_two_models_two_optimizers() -> None:
     assert w.stats.params["Sequential[0]:0.weight"].steps == 60
 
 
+class _Block(nn.Module):
+    def __init__(self, cut: bool) -> None:
+        super().__init__()
+        self.ln_2 = nn.LayerNorm(8)
+        self.mlp = nn.Sequential()
+        self.mlp.c_fc = nn.Linear(8, 16)
+        self.mlp.act = nn.GELU()
+        self.mlp.c_proj = nn.Linear(16, 8)
+        self.cut = cut
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(self.ln_2(x))
+        return x + (out.detach() if self.cut else out)
+
+
+def test_a_finding_about_a_block_s_parameters_points_at_the_block() -> None:
+    """The last block's MLP output detached: its ln_2 and its MLP never move, and the
+    finding's place is the block that holds all six, not the first one's module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(_Block(False), _Block(True)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with deadweight.watch(model, opt, every=10) as w:
+        for _ in range(60):
+            _step(model, opt, torch.randn(8, 4))
+    (never,) = w.report().by_code("DW301")
+    assert len(never.params) == 6 and all(p.startswith("1.1.") for p in never.params)
+    assert never.location is not None and never.location.module == "1.1"
+
+
 def test_parameters_added_mid_run_are_watched() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(model[1].parameters(), lr=0.1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import FrameType
 from typing import Any
 
 import torch
@@ -12,8 +13,14 @@ from torch import nn
 
 from deadweight import wrappers
 from deadweight.checking import random_skips
-from deadweight.checking.check_stats import GradFlowStats
+from deadweight.checking.check_stats import GradFlowStats, Site
+from deadweight.checking.first_backward import (
+    BackwardParam,
+    RecordedForward,
+    first_backward_findings,
+)
 from deadweight.checking.grad_flow import measure_grad_flow
+from deadweight.checking.sites import user_site
 from deadweight.config import ConfigLike, applies_settings
 from deadweight.distributed import ranks as distributed
 from deadweight.distributed.rules._ranks import merge_rank_findings
@@ -180,3 +187,18 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def caller_site(frame: FrameType | None) -> Site | None:
+    """The user's line at or outside `frame` (torch's and deadweight's own frames are
+    skipped): where a module was called, for `deadweight run`'s record of a forward."""
+    return user_site(frame)
+
+
+__all__ = [
+    "BackwardParam",
+    "RecordedForward",
+    "caller_site",
+    "check",
+    "first_backward_findings",
+]

@@ -255,6 +255,7 @@ CUT_KINDS = {
     "never-ran": "never ran in this forward",
     "skipped-at-random": "was skipped at random in this forward (LayerDrop, stochastic depth)",
     "output-unused": "ran, but its output never reaches the loss",
+    "cut-inside": "ran and its output reaches the loss, yet parameters inside it got no gradient: the graph is cut somewhere inside it",
     "loss-no-grad-fn": "has no grad_fn, so backward cannot reach any parameter",
 }
 

@@ -594,7 +594,8 @@ def _module_cuts(
     trainable_names = [n for n, _ in trainable]
 
     def params_under(path: str) -> frozenset[str]:
-        prefix = path + "." if path else ""
+        # `Encoder:` is one of several models, named `Encoder:fc.weight` (deadweight run)
+        prefix = path if not path or path.endswith(":") else path + "."
         return frozenset(n for n in trainable_names if n.startswith(prefix))
 
     cuts = []

@@ -21,10 +21,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from types import FrameType
@@ -36,6 +38,7 @@ from deadweight.cli.report import load_log
 from deadweight.errors import InputError
 from deadweight.registry import Selection
 from deadweight.report.display import safe_text
+from deadweight.watching import run_status
 from deadweight.watching.event_log import process_logs_beside, read_start
 from deadweight.watching.zero_code import ENV_CHECK, ENV_EVERY, ENV_FULL, ENV_LOG, ENV_RUN_ID
 
@@ -56,6 +59,7 @@ HELP = "run a training script with every optimizer it creates watched"
 # passed on after this many seconds if the script is still running.
 FORWARD_SIGINT_AFTER = 1.0
 STDERR_FD = 2
+TOOL_ERROR = 2  # the exit code of a deadweight error, as for every command
 
 
 def add_parser(sub: Any) -> None:
@@ -64,8 +68,9 @@ def add_parser(sub: Any) -> None:
         help=HELP,
         description=HELP + ". Everything after `--` is the command, e.g. "
         "`deadweight run -- python train.py --lr 3e-4`. Exit code: the script's own when it "
-        "is not 0; else 1 when a finding is at or above --fail-on, 0 when none is; 2 when "
-        "deadweight could not start the command. With --format json the script's own "
+        "is not 0; else 2 when deadweight could not start the command, or could not watch "
+        "a process that trained (it says which and why); else 1 when a finding is at or "
+        "above --fail-on, 0 when none is. With --format json the script's own "
         "output goes to stderr, so stdout holds only the report.",
     )
     parser.add_argument("--every", type=int, default=20, help="fuller statistics every N steps")
@@ -101,16 +106,23 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(str(exc)) from None
     log = os.path.abspath(args.log)
     held = _claim_log(args.log, log)  # before the script starts: a refusal costs nothing
+    # Where the script's processes say whether they were watched (watching/run_status.py):
+    # a private folder, outside the user's, removed when the run ends.
+    status = tempfile.mkdtemp(prefix="deadweight-run-")
     try:
-        return _run_and_report(command, log, held, args)
+        return _run_and_report(command, log, held, status, args)
     finally:
         os.close(held)  # releases the lock
+        shutil.rmtree(status, ignore_errors=True)
 
 
-def _run_and_report(command: list[str], log: str, held: int, args: argparse.Namespace) -> int:
+def _run_and_report(
+    command: list[str], log: str, held: int, status: str, args: argparse.Namespace
+) -> int:
     run_id = uuid.uuid4().hex
     _remove_stale_process_logs(log)
     env = dict(os.environ)
+    env[run_status.ENV_STATUS] = status
     bootstrap = os.path.join(os.path.dirname(deadweight.__file__), "watching", "_bootstrap")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap, env.get("PYTHONPATH")) if p)
     env[ENV_LOG] = log
@@ -128,17 +140,18 @@ def _run_and_report(command: list[str], log: str, held: int, args: argparse.Name
         raise InputError(f"cannot run {command[0]!r}: {exc}") from None
     code = _wait(child)
     print(file=sys.stderr)
-    if _remove_if_empty(log, held):
-        print(
-            "deadweight: the command stepped no optimizer, so there is nothing to report",
-            file=sys.stderr,
-        )
-        return code
+    empty = _remove_if_empty(log, held)
+    attach = run_status.summarise(run_status.read(status), log_written=not empty)
+    for line in attach.lines:
+        print(safe_text(f"deadweight: {line}"), file=sys.stderr)
+    unwatched = attach.unwatched
+    if empty:
+        return exit_code(code, 0, unwatched=unwatched)
     try:
         ((report, stats),) = load_log(log, args.select, args.ignore)
     except Exception as exc:  # an empty log (killed at once) or a deadweight bug
         print(safe_text(f"deadweight: no report: {exc}"), file=sys.stderr)
-        return code
+        return exit_code(code, 0, unwatched=True)
     for problem in report.subject.get("problems", []):
         print(safe_text(f"deadweight: note: {problem}"), file=sys.stderr)
     failed = emit(report, args, stats)
@@ -152,13 +165,17 @@ def _run_and_report(command: list[str], log: str, held: int, args: argparse.Name
             ),
             file=sys.stderr,
         )
-    return exit_code(code, failed)
+    return exit_code(code, failed, unwatched=unwatched)
 
 
-def exit_code(script: int, findings: int) -> int:
+def exit_code(script: int, findings: int, *, unwatched: bool = False) -> int:
     """`deadweight run`'s exit code: the script's own when it failed (a crash must not
-    pass for a finding), else what the findings and --fail-on decide (0 or 1)."""
-    return script if script != 0 else findings
+    pass for a finding); else 2 when some process trained where deadweight could not
+    watch it (a run it did not watch is never a clean result); else what the findings
+    and --fail-on decide (0 or 1)."""
+    if script != 0:
+        return script
+    return TOOL_ERROR if unwatched else findings
 
 
 def _claim_log(shown: str, log: str) -> int:

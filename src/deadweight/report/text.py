@@ -54,6 +54,7 @@ def sections(report: Report) -> list[tuple[str | None, list[Finding]]]:
     how = {
         "replayed": "deadweight.check on the first training batch",
         "structure-only": "deadweight.check on the first training batch, with a stand-in loss",
+        "from-backward": "what the script's first backward proves",
     }.get(str(step0.get("mode")), "not run")
     title = f"At step 0 ({how}): {len(first) or 'no'} finding{'s' if len(first) != 1 else ''}"
     note = step0.get("note")

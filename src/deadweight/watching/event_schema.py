@@ -226,7 +226,8 @@ SCHEMA: dict[str, dict[str, tuple[Kind, bool]]] = {
         "mode": (TEXT, True),
         "findings": (LIST, True),
         "note": (TEXT_OR_NULL, False),
-        "model": (TEXT, False),
+        "model": (TEXT_OR_NULL, False),
+        "optimizer": (TEXT, False),
     },
 }
 # per-parameter arrays of a step event, in the order of the optimizer's parameters

@@ -15,6 +15,15 @@ from typing import Any
 from deadweight.errors import CollectiveError
 from deadweight.findings import Finding
 
+# How `deadweight run`'s step-0 check ran, most complete first: replayed with the real
+# loss, replayed with a stand-in loss, only what the script's own first backward
+# proves, not at all.
+STEP0_MODES = ("replayed", "structure-only", "from-backward", "unavailable")
+
+
+def _step0_rank(mode: str) -> int:
+    return STEP0_MODES.index(mode) if mode in STEP0_MODES else len(STEP0_MODES)
+
 
 @dataclass
 class Series:
@@ -131,11 +140,12 @@ class WatchStats:
     loss_values: list[float | None] = field(default_factory=list)
     # Backward passes the watch counted (None: not known, a log from before they were).
     backwards: int | None = None
-    # `deadweight run`'s step-0 check: its findings, how it ran ("replayed",
-    # "structure-only", "unavailable") and why it could not do more.
+    # `deadweight run`'s step-0 check: its findings, how it ran (one of STEP0_MODES)
+    # and why it could not do more.
     step0: list[Finding] = field(default_factory=list)
     step0_mode: str | None = None
     step0_note: str | None = None
+    _step0_checks: list[tuple[str, str | None, Any]] = field(default_factory=list, repr=False)
 
     @property
     def loss_recorded(self) -> bool:
@@ -334,15 +344,31 @@ class WatchStats:
                 tracks[pos].skipped_nonfinite += 1
 
     def _on_check(self, event: dict[str, Any]) -> None:
-        self.step0_mode = str(event["mode"])
+        """One optimizer's step-0 check (`deadweight run` checks each optimizer's first
+        step): the findings add up, one finding seen by two checks counts once, and the
+        mode is the least complete of the checks that ran."""
+        mode = str(event["mode"])
         note = event.get("note")
-        self.step0_note = note if isinstance(note, str) else None
-        self.step0 = []
+        optimizer = event.get("optimizer")
+        self._step0_checks.append((mode, note if isinstance(note, str) else None, optimizer))
+        ran = [c for c in self._step0_checks if c[0] != "unavailable"] or self._step0_checks
+        self.step0_mode = max((c[0] for c in ran), key=_step0_rank)
+        notes = list(dict.fromkeys(n for _, n, _ in ran if n))
+        if len(notes) > 1:  # the checks differ: each says which optimizer it is about
+            self.step0_note = "; ".join(f"{o or '?'}: {n}" for _, n, o in ran if n) or None
+        else:
+            self.step0_note = notes[0] if notes else None
+        seen = {(f.code, f.params, str(f.location)) for f in self.step0}
         for data in event["findings"]:
             try:
-                self.step0.append(Finding.from_dict(data, phase="step 0"))
+                finding = Finding.from_dict(data, phase="step 0")
             except ValueError as exc:
                 self.problems.append(f"a step-0 finding was left out: {exc}")
+                continue
+            key = (finding.code, finding.params, str(finding.location))
+            if key not in seen:
+                seen.add(key)
+                self.step0.append(finding)
 
     def _on_error(self, event: dict[str, Any]) -> None:
         self.errors.append({k: event.get(k) for k in ("optimizer", "step", "detector", "message")})

@@ -17,11 +17,9 @@ hooks that pick up every optimizer a script creates.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -444,6 +442,12 @@ class Watch:
             self._loss_failed(exc)
 
     @property
+    def writes_log(self) -> bool:
+        """Whether the log is open and writable (False before the first step in zero-code
+        mode, without a log, or after writing failed)."""
+        return self._writer is not None
+
+    @property
     def steps_taken(self) -> int:
         """Optimizer steps since watching began (of the optimizer that stepped most):
         the step numbers of the log and of `log_loss`."""
@@ -648,8 +652,8 @@ class GlobalWatch(Watch):
         loss: bool = True,
         check: bool = False,
     ) -> None:
-        """`loss`: record the loss at each `.backward()`; `check`: run
-        `deadweight.check` on the first training batch at the first optimizer step
+        """`loss`: record the loss at each `.backward()` (counted either way); `check`:
+        run `deadweight.check` on the first training batch at the first optimizer step
         (watching/step_zero.py)."""
         super().__init__(config=config, log=log, argv=argv, lazy_log=True)
         from torch.optim.optimizer import (
@@ -671,8 +675,9 @@ class GlobalWatch(Watch):
             self._restore.append(self._first.close)
         if loss:
             self._patch_scale()
-        if loss or check:
-            self._patch_backward()
+        # Always: the backward passes it counts tell `deadweight run` a process that
+        # trained without any optimizer step it could watch (watching/run_status.py).
+        self._patch_backward()
 
     @property
     def backwards(self) -> int:
@@ -700,7 +705,8 @@ class GlobalWatch(Watch):
         first = self._first
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if first is not None and not first.done:  # while the graph is whole
+            # While the graph is whole; the step-0 check's own backward is not the script's.
+            if first is not None and not first.done and not self._checking:
                 self._loss_to_check(first, tensor, args, kwargs)
             result = original(tensor, *args, **kwargs)
             if self._checking:  # the step-0 check's own backward is not the script's
@@ -745,33 +751,36 @@ class GlobalWatch(Watch):
                 first.on_backward(tensor)
 
     def _global_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
-        first = self._first
-        if first is not None and not first.done and first.ready(args, kwargs):
-            self._step_zero(first, optimizer)
+        monitor: StepMonitor | None = None
         with contextlib.suppress(Exception):
             monitor = self._current_monitor(optimizer)
-            if monitor is None:
-                if optimizer in self._unwatched:
-                    return None
-                if self._zero_inner(optimizer):
-                    return None
+            if (
+                monitor is None
+                and optimizer not in self._unwatched
+                and not self._zero_inner(optimizer)
+            ):
                 monitor = self._discover(optimizer)
-                if monitor is None:
-                    return None
+        # After discovery, so the check names the parameters as the watch does.
+        first = self._first
+        if first is not None and not first.done and first.before_step(optimizer, args, kwargs):
+            self._step_zero(first, optimizer)
+        if monitor is None:
+            return None
+        with contextlib.suppress(Exception):
             return _begin_step(monitor, args, kwargs)
         return None
 
     def _global_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         first = self._first
-        if first is not None and not first.done:  # the backward ran inside step(closure)
+        if first is not None and first.after_step(optimizer):  # backward ran in step(closure)
             self._step_zero(first, optimizer)
         self._post_hook(optimizer, args, kwargs)
 
     def _step_zero(self, first: FirstStep, optimizer: torch.optim.Optimizer) -> None:
-        """The step-0 check, into the log; never stops the script."""
+        """The step-0 check of this optimizer, into the log; never stops the script."""
         self._checking = True
         try:
-            event = first.run(optimizer)
+            event = first.run(optimizer, self._names)
         except Exception as exc:
             self._error("step-0 check", exc)
             return
@@ -825,7 +834,7 @@ class GlobalWatch(Watch):
             self._name_from_models(
                 [
                     p
-                    for opt in _live_optimizers(optimizer)
+                    for opt in owners.live_optimizers(optimizer)
                     for g in opt.param_groups
                     for p in g["params"]
                 ]
@@ -897,19 +906,6 @@ def _begin_step(monitor: StepMonitor, args: tuple[Any, ...], kwargs: dict[str, A
     if "closure" in kwargs:
         return args, {**kwargs, "closure": measured_closure}
     return (args[0], measured_closure, *args[2:]), kwargs
-
-
-def _live_optimizers(first: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-    found = [first]
-    with warnings.catch_warnings():  # isinstance() touches deprecated module proxies
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            try:
-                if isinstance(obj, torch.optim.Optimizer) and obj is not first:
-                    found.append(obj)
-            except Exception:  # lazy proxies can raise on __class__
-                continue
-    return found
 
 
 def watch(

@@ -27,7 +27,7 @@ ENV_LOG = "DEADWEIGHT_RUN_LOG"
 ENV_EVERY = "DEADWEIGHT_RUN_EVERY"
 ENV_FULL = "DEADWEIGHT_RUN_FULL"
 ENV_OWNER = "DEADWEIGHT_RUN_OWNER"  # pid of the process that writes the main log
-# "0": do not wrap Tensor.backward to record the loss (the report then has no loss curve)
+# "0": do not record the loss at `.backward()` (the report then has no loss curve)
 ENV_LOSS = "DEADWEIGHT_RUN_LOSS"
 # Written into the start event of every log of one `deadweight run`: the parent reports
 # the rank and pid logs that carry it, and no others.
@@ -69,9 +69,11 @@ def may_write(path: str, main: str, run_id: str | None) -> bool:
     return start is not None and run_id is not None and start.get("run_id") == run_id
 
 
-def start() -> None:
+def start(how: str = "import torch") -> None:
+    """Watch this process (`how`: what started it, for `deadweight run`'s summary)."""
     # Here, not at the top: `deadweight run` itself reads the ENV_* names above and
     # never imports torch.
+    from deadweight.watching import run_status
     from deadweight.watching.step_monitor import MonitorConfig
     from deadweight.watching.watcher import GlobalWatch
 
@@ -116,4 +118,13 @@ def start() -> None:
         previous_hook(kind, exc, tb)
 
     sys.excepthook = excepthook
-    atexit.register(lambda: watch.close(_reason[0]))
+
+    def at_exit() -> None:
+        watch.close(_reason[0])
+        # What `deadweight run` needs to tell a watched run from one that trained
+        # some other way (run_status.summarise).
+        logged = watch.log_path if watch.steps_taken and watch.writes_log else None
+        run_status.ended(how, watch.steps_taken, watch.backwards, logged)
+
+    atexit.register(at_exit)
+    run_status.attached(how)

@@ -352,6 +352,18 @@ def test_dw206_silent_without_decay():
     assert not check_mlp(model, opt).by_code("DW206")
 
 
+def test_dw206_silent_for_a_frozen_bias_in_a_decay_group():
+    """An optimizer built over every parameter, frozen ones too (torchtune's LoRA
+    recipe): a frozen bias is never updated, so its decay does nothing (DW202 says it
+    is frozen)."""
+    model = mlp()
+    model[2].bias.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), weight_decay=0.1)
+    report = check_mlp(model, opt)
+    assert [f.params for f in report.by_code("DW206")] == [("0.bias",)]  # the trainable one
+    assert any("2.bias" in f.params for f in report.by_code("DW202"))
+
+
 # -- real transformers code ------------------------------------------------------------
 
 IDS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -9,7 +9,9 @@ from deadweight.checking.check_stats import Cut, GradFlowStats, display_path
 from deadweight.findings import Location
 
 BACKWARD_KINDS = frozenset({"custom-op-no-autograd", "dropped-in-backward", "no-autograd-kernel"})
-MODULE_KINDS = frozenset({"never-ran", "skipped-at-random", "output-unused", "module-cut"})
+MODULE_KINDS = frozenset(
+    {"never-ran", "skipped-at-random", "output-unused", "module-cut", "cut-inside"}
+)
 
 
 def _tier(cut: Cut) -> int:
@@ -28,7 +30,8 @@ def _tier(cut: Cut) -> int:
         return 1
     if cut.kind not in MODULE_KINDS:
         return 2 if cut.flows_to_loss else 5
-    return {"never-ran": 3, "skipped-at-random": 3, "output-unused": 4, "module-cut": 6}[cut.kind]
+    tiers = {"never-ran": 3, "skipped-at-random": 3, "output-unused": 4, "module-cut": 6}
+    return tiers.get(cut.kind, 6)  # cut-inside: a module-level last resort too
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from deadweight.checking.rules._effective import (
 from deadweight.findings import Finding, Location, Severity
 from deadweight.registry import get_rule, rule
 from deadweight.thresholds import current
+from deadweight.wording import module_of
 
 _MAX_EVIDENCE = 20
 
@@ -71,7 +72,7 @@ def _evidence(
 
 
 def _location(items: list[Ineffective]) -> Location:
-    return Location(module=items[0].param.module)
+    return module_of([i.param.name for i in items])
 
 
 def _names(items: list[Ineffective]) -> str:

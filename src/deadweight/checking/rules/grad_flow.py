@@ -16,6 +16,7 @@ from deadweight.checking.check_stats import (
 from deadweight.checking.rules._explain import CutGroup, explain
 from deadweight.findings import Finding, Location, Severity
 from deadweight.registry import get_rule, rule
+from deadweight.wording import module_of
 
 # Explanations that are often benign (data-dependent routing, a head that a
 # fine-tuning recipe does not use) are warnings, not errors.
@@ -53,6 +54,8 @@ _FIXES = {
     "never-ran": "Call the module in forward, or freeze it with requires_grad_(False) if it is "
     "meant to be unused; with data-dependent routing (mixture of experts), check on a batch that "
     "reaches it.",
+    "cut-inside": "Look inside this module's forward for the op that drops the graph (a "
+    "`.detach()`, a no-grad block, a fused kernel); `deadweight check` on a batch points at the line.",
     "output-unused": "Make the module's output part of the loss (e.g. add the auxiliary loss), or "
     "freeze the module with requires_grad_(False) if it is only for monitoring.",
     "loss-no-grad-fn": "Compute the loss from the model's outputs with gradients enabled: no "
@@ -143,7 +146,6 @@ def no_gradient(stats: GradFlowStats) -> Iterator[Finding]:
                 severity=Severity.WARNING if soft else None,
             )
         else:
-            owner = params[names[0]].module
             message = (
                 f"{subject} no gradient{skipper}: nothing that reaches the loss uses "
                 f"{'them' if n > 1 else 'it'} in this forward."
@@ -151,7 +153,7 @@ def no_gradient(stats: GradFlowStats) -> Iterator[Finding]:
             yield get_rule("DW101").finding(
                 message,
                 params=names,
-                location=Location(module=owner),
+                location=module_of(names),
                 evidence=evidence,
                 fix="Use the parameter in the forward, or delete it or freeze it with "
                 "requires_grad_(False) if it is not meant to be trained.",
@@ -203,7 +205,8 @@ def graph_cut(stats: GradFlowStats) -> Iterator[Finding]:
 
     ## Evidence
     - `kind`: what cut the graph (`no-grad`, `inference-mode`, `detach`, `data`, `item`,
-      `rebuilt-tensor`, `non-differentiable`, `function`, `never-ran`, `output-unused`, ...).
+      `rebuilt-tensor`, `non-differentiable`, `function`, `never-ran`, `output-unused`,
+      `cut-inside` (from `deadweight run`'s record of a forward it could not replay), ...).
     - `ops`, `lines`, `modules`: the ops, source lines and modules where it happened.
     - `result_reaches_loss`: whether the cut value still reaches the loss (without a gradient).
     - `called_from`: the caller of the function the cut happened in.
@@ -435,6 +438,7 @@ _MODULE_PHRASES = {
     "never-ran": "never ran",
     "output-unused": "ran but whose output never reaches the loss",
     "module-cut": "returns outputs without grad_fn",
+    "cut-inside": "reaches the loss although the graph is cut inside it",
 }
 
 
@@ -442,7 +446,7 @@ def _short_ref(group: CutGroup) -> str:
     cut = group.first
     if cut.kind == "loss-no-grad-fn":
         return "at the loss itself, which has no grad_fn (DW102)"
-    if cut.kind in ("never-ran", "output-unused", "module-cut"):
+    if cut.kind in _MODULE_PHRASES:
         return f"at module `{cut.module}`, which {_MODULE_PHRASES[cut.kind]} (DW102)"
     if cut.site is None:
         return f"at {cut.op} ({cut.kind}, DW102)"
@@ -458,7 +462,7 @@ def _subject(group: CutGroup) -> str:
     cut = group.first
     if cut.kind == "loss-no-grad-fn":
         return "The loss"
-    if cut.kind in ("never-ran", "output-unused", "module-cut"):
+    if cut.kind in _MODULE_PHRASES:
         return f"Module `{cut.module}` ({cut.op})"
     ops = sorted({c.op for c in group.cuts if c.op})
     return ", ".join(ops[:3]) + (f" and {len(ops) - 3} more" if len(ops) > 3 else "")

@@ -53,7 +53,7 @@ def not_in_optimizer(stats: GradFlowStats) -> Iterator[Finding]:
             f"{len(names)} trainable parameter(s) are in no param group of {facts.name} "
             f"({name_list(names)}), so they are never updated.",
             params=names,
-            location=module_of(names[0]),
+            location=module_of(names),
             evidence={"optimizer": facts.name, "groups": len(facts.groups)},
         )
 
@@ -359,8 +359,8 @@ def lr_zero(stats: GradFlowStats) -> Iterator[Finding]:
 def decay_on_no_decay_param(stats: GradFlowStats) -> Iterator[Finding]:
     """
     ## What it does
-    Lists parameters in param groups with weight decay above 0 that should not be
-    decayed: a parameter tagged `_no_weight_decay = True` (warning: someone said so
+    Lists trainable parameters in param groups with weight decay above 0 that should
+    not be decayed (a frozen one is never updated, its decay included): a parameter tagged `_no_weight_decay = True` (warning: someone said so
     explicitly), a normalization weight or a bias (info). Normalization weights are
     recognised by module type, so `ln_1`, `input_layernorm` and custom RMSNorm
     classes count, which name-substring rules such as `["bias", "LayerNorm.weight"]`
@@ -386,7 +386,9 @@ def decay_on_no_decay_param(stats: GradFlowStats) -> Iterator[Finding]:
     if not facts:
         return
     roles = {p.name: p.role for p in stats.params}
-    decayed = [n for g in facts.groups if g.weight_decay > 0 for n in g.names]
+    # A frozen parameter is never updated, its decay included (DW202 names it).
+    trainable = {p.name for p in stats.params if p.trainable}
+    decayed = [n for g in facts.groups if g.weight_decay > 0 for n in g.names if n in trainable]
     tagged = [n for n in decayed if roles[n] == param_roles.TAGGED]
     plain = [n for n in decayed if roles[n] in (param_roles.BIAS, param_roles.NORM_WEIGHT)]
     if tagged:

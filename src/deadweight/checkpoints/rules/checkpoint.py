@@ -63,7 +63,7 @@ def never_learned(stats: DiffStats) -> Iterator[Finding]:
         f"unchanged between {stats.a} and {stats.b}: {name_list(unchanged)}."
         + (" Every tensor is identical: the same checkpoint twice?" if everything else ""),
         params=unchanged,
-        location=module_of(unchanged[0]),
+        location=module_of(unchanged),
         evidence={
             "a": stats.a,
             "b": stats.b,
@@ -258,7 +258,7 @@ def checkpoint_non_finite(stats: InspectStats) -> Iterator[Finding]:
             yield get_rule("DW404").finding(
                 f"{len(names)} tensor(s) in {scan.path} hold NaN/Inf values: {name_list(names)}.",
                 params=names,
-                location=module_of(names[0]),
+                location=module_of(names),
                 evidence={"checkpoint": scan.path, "nonfinite": bad},
             )
 

@@ -77,7 +77,7 @@ def never_moved(stats: WatchStats) -> Iterator[Finding]:
             f"{len(names)} trainable parameter(s) are bitwise unchanged after {steps} optimizer "
             f"steps ({name_list(names)}): {cause}.",
             params=names,
-            location=module_of(names[0]),
+            location=module_of(names),
             evidence={
                 "steps": steps,
                 "cause": cause,
@@ -149,7 +149,7 @@ def gradient_always_zero(stats: WatchStats) -> Iterator[Finding]:
         f"{steps} optimizer steps ({name_list(names)}): they learn nothing, and only weight "
         "decay moves them.",
         params=names,
-        location=module_of(names[0]),
+        location=module_of(names),
         evidence={
             "steps": steps,
             "per_param": {
@@ -426,7 +426,7 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
                 f"{opt.cls}#{opt.index} ({share:.1%}), the first after step {skips[0]}"
                 + (f"; inf/NaN gradients in {name_list(list(culprits))}." if culprits else "."),
                 params=list(culprits),
-                location=module_of(next(iter(culprits))) if culprits else None,
+                location=module_of(culprits) if culprits else None,
                 evidence={
                     "optimizer": f"{opt.cls}#{opt.index}",
                     "skipped": len(skips),
@@ -471,7 +471,7 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
             f"{len(names)} parameter(s) had a gradient but were not updated on up to {worst} of "
             f"{steps} steps ({cause}): {name_list(names)}.",
             params=names,
-            location=module_of(names[0]),
+            location=module_of(names),
             evidence=evidence,
             fix=fix,
             severity=_skip_severity(worst, share),
@@ -614,7 +614,7 @@ def _persistent_overflow(stats: WatchStats) -> Iterator[Finding]:
             )
             + ", so the model no longer trains.",
             params=names,
-            location=module_of(names[0]),
+            location=module_of(names),
             evidence={
                 "optimizer": f"{opt.cls}#{opt.index}",
                 "steps": total,
@@ -740,7 +740,7 @@ def intermittent_gradient(stats: WatchStats) -> Iterator[Finding]:
             f"{len(names)} parameter(s) got a gradient on only part of the steps "
             f"({name_list(names)}; the rarest on {low:.1%} of {max(t.steps for t in tracks)} steps).",
             params=names,
-            location=module_of(names[0]),
+            location=module_of(names),
             evidence={"fraction_with_grad": fractions},
             severity=severity,
         )
