@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from deadweight._version import __version__
+from deadweight.bounded_json import deeper_than
 from deadweight.watching.event_schema import EventChecker, Rejected
 
 # Bumped when a log carries what an older reader would miss without a word: new keys
@@ -167,8 +168,6 @@ def read_log(path: str | os.PathLike[str]) -> LogContents:
 # bounded by Python's own limit on int() of a string (4300 digits by default, which
 # keeps its quadratic cost to milliseconds); the schema bounds the counts it reads.
 MAX_DEPTH = 32
-_BRACKETS = re.compile(r"[\[\]{}]")
-_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 _INT_DIGITS = re.compile(r"value has (\d+) digits")
 
 
@@ -178,13 +177,10 @@ class LineTooComplex(ValueError):
 
 def parse_line(line: str) -> Any:
     """json.loads of one line within MAX_DEPTH and the integer limit (else LineTooComplex)."""
-    if line.count("[") + line.count("{") > MAX_DEPTH:
-        # Only a line with many brackets can nest deeply: count the depth outside strings.
-        depth = 0
-        for bracket in _BRACKETS.finditer(_STRINGS.sub("", line)):
-            depth += 1 if bracket.group() in "[{" else -1
-            if depth > MAX_DEPTH:
-                raise LineTooComplex(f"nests deeper than {MAX_DEPTH} levels")
+    # Only a line with many brackets can nest deeply: then its depth is measured, in
+    # time linear in its length, before json recurses into it.
+    if line.count("[") + line.count("{") > MAX_DEPTH and deeper_than(line, MAX_DEPTH):
+        raise LineTooComplex(f"nests deeper than {MAX_DEPTH} levels")
     try:
         return json.loads(line)
     except RecursionError:  # pragma: no cover - the depth check comes first

@@ -163,3 +163,14 @@ def test_one_file_named_many_ways_is_read_once(tmp_path: Path, alias: str) -> No
     assert outcome.other is None and outcome.error is None
     assert outcome.extra["count"] == n
     assert outcome.seconds < BOUND_SECONDS and outcome.maxrss_mb < BOUND_MB
+
+
+def test_an_unterminated_string_of_escaped_quotes_is_read_in_one_pass(tmp_path: Path) -> None:
+    """The container count skipped strings with a regex that restarted at every quote of
+    an unterminated one (issue 33, case 8, in the index reader)."""
+    path = tmp_path / "model.safetensors.index.json"
+    path.write_text('{"weight_map": {"w": "' + '\\"' * 150_000 + "[" * 40)
+    outcome = run_bounded(str(path), timeout=BOUND_SECONDS * 6)
+    assert outcome.other is None and outcome.error is not None
+    assert "not valid JSON" in outcome.error
+    assert outcome.seconds < BOUND_SECONDS and outcome.maxrss_mb < BOUND_MB

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from deadweight.bounded_json import containers as count_containers
 from deadweight.checkpoints.readers.base import (
     DEFAULT_CHUNK_BYTES,
     MAX_LISTED_PROBLEMS,
@@ -146,7 +146,6 @@ class ShardedCheckpoint(ReaderBase):
 MAX_INDEX_BYTES = 100_000_000
 # The most JSON objects and lists an index may hold: transformers writes three.
 MAX_INDEX_CONTAINERS = 1000
-_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
 
 
 def _read_weight_map(path: str) -> dict[str, str]:
@@ -157,20 +156,24 @@ def _read_weight_map(path: str) -> dict[str, str]:
                 path, f"is {size} bytes, over the {MAX_INDEX_BYTES} an index can be (not an index?)"
             )
         raw = fh.read(MAX_INDEX_BYTES + 1)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(
+            path, f"the index is not valid JSON ({shorten(str(exc), 200)})"
+        ) from None
     # An index is an object holding two: metadata and weight_map. Decoding a list of a million
     # empty objects would take 24 times its size, so count the containers first (outside
-    # strings, at the speed of a regex) and refuse a file of thousands.
-    skeleton = _STRING.sub(b'""', raw)
-    containers = skeleton.count(b"{") + skeleton.count(b"[")
+    # strings, in one pass) and refuse a file of thousands.
+    containers = count_containers(text)
     if containers > MAX_INDEX_CONTAINERS:
         raise CheckpointError(
             path,
             f"holds {containers} JSON objects and lists; an index holds a few (not an index?)",
         )
-    del skeleton
     try:
         # parse_int: no integer of thousands of digits to convert (quadratic in its length).
-        index: Any = json.loads(raw.decode("utf-8"), parse_int=bounded_int)
+        index: Any = json.loads(text, parse_int=bounded_int)
     except (ValueError, RecursionError) as exc:
         raise CheckpointError(
             path, f"the index is not valid JSON ({shorten(str(exc), 200)})"
