@@ -14,7 +14,10 @@ TIMEOUT = 300  # generous: shared CI machines
 
 
 def deadweight_cli(
-    *args: str | Path, env: Mapping[str, str] | None = None, timeout: float = TIMEOUT
+    *args: str | Path,
+    env: Mapping[str, str] | None = None,
+    timeout: float = TIMEOUT,
+    cwd: str | Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Its output captured. `env` is the whole environment (default: this one, 200 columns)."""
     return subprocess.run(
@@ -23,6 +26,7 @@ def deadweight_cli(
         text=True,
         timeout=timeout,
         env=dict(env) if env is not None else {**os.environ, "COLUMNS": "200"},
+        cwd=cwd,
     )
 
 

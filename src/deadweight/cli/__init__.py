@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import gc
 import sys
@@ -51,7 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _escape_what_cannot_be_printed() -> None:
+    """A character the terminal's encoding cannot write (a lone surrogate from a
+    checkpoint's name, anything but ASCII under PYTHONIOENCODING=ascii) is printed as an
+    escape (`\\ud800`) instead of ending the command with a traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            with contextlib.suppress(ValueError, OSError):  # closed, or not a text file
+                reconfigure(errors="backslashreplace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _escape_what_cannot_be_printed()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

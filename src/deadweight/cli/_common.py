@@ -15,6 +15,7 @@ from rich.console import Console
 from deadweight import config as config_module
 from deadweight.config import Config, Settings
 from deadweight.findings import Severity
+from deadweight.output_files import OutputFile
 from deadweight.report import Report
 from deadweight.report.text import render
 from deadweight.watching.watch_stats import WatchStats
@@ -106,6 +107,13 @@ def _html_path(path: str) -> str:
     return path
 
 
+def claim_html(args: argparse.Namespace, inputs: list[str], reads: tuple[str, ...] = ()) -> None:
+    """Check --html before anything runs: it must not be one of `inputs` (nor a file of
+    a kind in `reads` inside an input folder), a link, a FIFO, a directory or empty."""
+    if getattr(args, "html", None) is not None:
+        args.html_target = OutputFile.claim(args.html, "--html", inputs=inputs, reads=reads)
+
+
 def emit(
     report: Report,
     args: argparse.Namespace,
@@ -115,13 +123,14 @@ def emit(
 ) -> int:
     """Print the report and write --html (of `html_report` when the printed one is
     trimmed for the terminal); the exit code --fail-on asks for."""
-    if getattr(args, "html", None):
+    if getattr(args, "html", None) is not None:
         from deadweight.report.html import Section, write_html
 
+        target = getattr(args, "html_target", None) or OutputFile.claim(args.html, "--html")
         full = html_report or report
         label = str(full.subject.get("log") or getattr(args, "target", None) or full.kind)
         notes = list(stats.problems) if stats is not None else []
-        write_html(args.html, [Section(label, full, stats, notes)])
+        write_html(target, [Section(label, full, stats, notes)])
     if args.format == "json":
         print(report.to_json())
     else:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from deadweight.cli._common import add_report_options, emit
 from deadweight.errors import InputError
 from deadweight.findings import Finding, Location, Severity
+from deadweight.output_files import OutputFile
 from deadweight.registry import Selection
 from deadweight.report import SCHEMA_VERSION, Report
 from deadweight.report.display import safe_text
@@ -370,10 +371,11 @@ def run(args: argparse.Namespace) -> int:
         Selection.of(args.select, args.ignore)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    if args.output:
+    if args.output is not None:
         from deadweight.report.html import require_plotly, write_html
 
         require_plotly()  # before reading anything: a missing extra is the first thing to say
+        target = OutputFile.claim(args.output, "-o", inputs=args.inputs)
         sections, notes, skipped = load_sections(args.inputs, args.select, args.ignore)
         sections, failed_here = _renderable(sections, notes)
         skipped += failed_here
@@ -381,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
             print(safe_text(f"deadweight: note: {note}"), file=sys.stderr)
         if not sections:
             raise InputError("nothing to report: no input could be read")
-        write_html(args.output, sections, notes)
+        write_html(target, sections, notes)
         print(f"deadweight: wrote {args.output}", file=sys.stderr)
         fail_on = None if args.fail_on == "never" else Severity.parse(args.fail_on)
         failed = any(s.report.failed(fail_on) for s in sections)

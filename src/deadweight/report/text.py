@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from deadweight.findings import Finding, Severity
+from deadweight.homologous import MAX_INDEX_DIGITS
 from deadweight.report.display import safe_text
 
 if TYPE_CHECKING:  # report/__init__.py imports this module lazily
@@ -238,7 +239,10 @@ def detector_notes(report: Report) -> list[str]:
     ]
 
 
-_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)")
+# A layer index, as homologous.layer_key reads one (a longer number is part of a name).
+_NUMBER = re.compile(
+    rf"(?<=\.)[0-9]{{1,{MAX_INDEX_DIGITS}}}(?=\.)|^[0-9]{{1,{MAX_INDEX_DIGITS}}}(?=\.)"
+)
 
 
 def compress_names(names: tuple[str, ...] | list[str], limit: int = _MAX_NAMES) -> str:

@@ -42,6 +42,7 @@ from typing import IO, Any
 
 from deadweight._version import __version__
 from deadweight.bounded_json import deeper_than
+from deadweight.output_files import open_log
 from deadweight.watching.event_schema import EventChecker, Rejected
 
 # Bumped when a log carries what an older reader would miss without a word: new keys
@@ -82,13 +83,17 @@ def start_event(config: dict[str, Any], argv: list[str] | None = None) -> dict[s
 
 
 class LogWriter:
-    """Writes events to a file, one line each, flushed when it matters."""
+    """Writes events to a file, one line each, flushed when it matters.
+
+    The log is written in place (a killed run keeps every line up to its last watched
+    step), opened by `output_files.open_log`: never through a symbolic link, never a FIFO
+    or a directory. Raises OSError or InputError when it cannot be opened."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
-        self._file: IO[str] | None = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
+        self._file: IO[str] | None = os.fdopen(open_log(self.path), "w", encoding="utf-8")
 
     def write(self, event: dict[str, Any]) -> None:
         if self._file is None:

@@ -35,6 +35,7 @@ from deadweight import owners, wrappers
 from deadweight.config import ConfigLike, Settings, settings_for
 from deadweight.distributed import ranks as distributed
 from deadweight.distributed.replicas import ReplicaCheck
+from deadweight.errors import InputError
 from deadweight.report import Report
 from deadweight.thresholds import Thresholds, using
 from deadweight.watching import scaler_steps, zero_partitions
@@ -527,7 +528,7 @@ class Watch:
             self._writer = LogWriter(self.log_path)
             for event in pending:
                 self._writer.write(event)
-        except OSError as exc:
+        except (OSError, InputError) as exc:  # InputError: a path no log may be written to
             self._error("log", exc)
             self._writer = None
 
