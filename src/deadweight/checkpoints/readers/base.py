@@ -206,11 +206,20 @@ class TensorEntry:
         return n
 
 
+@dataclass(frozen=True, slots=True)
+class StorageOrderEntry(TensorEntry):
+    """A tensor whose chunks come in the order its file stores the elements, not in C
+    order: a Fortran-order `.npz` member too large to reorder in memory. Statistics over
+    all its elements hold; what depends on positions (quantization blocks, an element-wise
+    comparison with a C-order tensor) is not measured."""
+
+
 @runtime_checkable
 class Checkpoint(Protocol):
     """What `open_checkpoint` returns, whatever the format.
 
-    `chunks()` yields the tensor flat in C order, in consecutive arrays of at most about
+    `chunks()` yields the tensor flat in C order (a `StorageOrderEntry`'s in the order its
+    file stores them), in consecutive arrays of at most about
     `max_bytes` of output. A chunk may be a view of a buffer the reader reuses for the next
     one: use it (reduce it) before asking for the next, or copy it.
     """
