@@ -9,11 +9,13 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from rich.console import Console
 
 from deadweight import config as config_module
 from deadweight.config import Config, Settings
+from deadweight.errors import InputError
 from deadweight.findings import Severity
 from deadweight.output_files import OutputFile
 from deadweight.report import Report
@@ -131,6 +133,11 @@ def emit(
         label = str(full.subject.get("log") or getattr(args, "target", None) or full.kind)
         notes = list(stats.problems) if stats is not None else []
         write_html(target, [Section(label, full, stats, notes)])
+    if sys.stdout is None or sys.stdout.closed:
+        raise InputError(
+            "standard output was closed by the code under check (sys.stdout.close()), so "
+            "the report cannot be printed"
+        )
     if args.format == "json":
         print(report.to_json())
     else:
@@ -149,14 +156,32 @@ def script_output_to_stderr(active: bool = True) -> Iterator[None]:
         return
     sys.stdout.flush()
     saved = _point_stdout_at_stderr()
+    # The user's code gets its own stream onto stderr: its sys.stdout.close() then closes
+    # that copy, not the stderr deadweight reports on.
+    copy = _stderr_copy()
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(copy or sys.stderr):
             yield
     finally:
-        sys.stderr.flush()
+        if copy is not None:
+            with contextlib.suppress(OSError, ValueError):
+                copy.close()
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
         if saved is not None:
             os.dup2(saved, 1)
             os.close(saved)
+
+
+def _stderr_copy() -> TextIO | None:
+    """A line-buffered text stream on a copy of stderr's descriptor; None where stderr
+    has none (captured in-process)."""
+    try:
+        fd = os.dup(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return None
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    return os.fdopen(fd, "w", buffering=1, encoding=encoding, errors="backslashreplace")
 
 
 def _point_stdout_at_stderr() -> int | None:
