@@ -153,8 +153,9 @@ def write_whole(path: str, data: bytes) -> None:
         raise
 
 
-def open_log(path: str) -> int:
-    """The event log at `path` opened for writing in place, emptied, as a descriptor.
+def open_log(path: str, *, append: bool = False) -> int:
+    """The event log at `path` opened for writing in place, emptied (or, with `append`,
+    kept and written at its end), as a descriptor.
 
     The same refusals as every output, on the opened file itself: the final component is
     never followed if it is a link, a FIFO is opened without waiting and refused, as is
@@ -162,13 +163,15 @@ def open_log(path: str) -> int:
     why = refusal(path)
     if why is not None:
         raise InputError(f"event log {path}: {why}")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC | _NONBLOCK, 0o666)
+    flags = os.O_WRONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC | _NONBLOCK
+    fd = os.open(path, flags | (os.O_APPEND if append else 0), 0o666)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise InputError(f"event log {path}: exists and is not a regular file ({_kind(mode)})")
         os.set_blocking(fd, True)
-        os.ftruncate(fd, 0)
+        if not append:
+            os.ftruncate(fd, 0)
     except BaseException:
         os.close(fd)
         raise

@@ -143,13 +143,25 @@ def test_config_table_shows_values_as_text(tmp_path):
     project = tmp_path / "[red]proj"
     project.mkdir()
     (project / "deadweight.toml").write_text(
-        '[per-file-ignores]\n"[link=https://evil.example]x[/link]\\u001b[2J" = ["DW501"]\n'
+        'inference-only = ["model.py::[link=https://evil.example]x[/link]\\u001b[2J"]\n'
     )
     result = dw("config", project, env=COLOUR)
     assert result.returncode == 0, result.stderr
     plain = SGR.sub("", result.stdout)
     assert OSC not in result.stdout and CLEAR not in result.stdout
     assert "[red]proj" in plain and "[link=https://evil.example]x[/link]" in plain
+
+
+def test_config_error_shows_a_pattern_as_text(tmp_path):
+    # Not a path pattern deadweight can read (its `[` classes are never closed): the
+    # error names it, as text.
+    (tmp_path / "deadweight.toml").write_text(
+        '[per-file-ignores]\n"[link=https://evil.example]x[/link]\\u001b[2J" = ["DW501"]\n'
+    )
+    result = dw("config", tmp_path, env=COLOUR)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert OSC not in result.stderr and CLEAR not in result.stderr
+    assert r"\x1b[2J" in result.stderr and "never closed" in result.stderr
 
 
 # -- JSON --------------------------------------------------------------------------------

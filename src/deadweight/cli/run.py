@@ -132,11 +132,11 @@ def _run_and_report(command: list[str], log: str, held: HeldLog, args: argparse.
     try:
         child = subprocess.Popen(command, env=env, stdout=stdout)
     except OSError as exc:
-        _nothing_logged(log, held, run_id)
+        _nothing_logged(log, held)
         raise InputError(f"cannot run {command[0]!r}: {exc}") from None
     code = _wait(child)
     print(file=sys.stderr)
-    if _nothing_logged(log, held, run_id):
+    if _nothing_logged(log, held):
         kept = "" if held.created else f"; the earlier log {log} was left as it was"
         print(
             safe_text(
@@ -175,10 +175,13 @@ def exit_code(script: int, findings: int) -> int:
 
 @dataclass(frozen=True)
 class HeldLog:
-    """The log this run holds locked: `fd`, and whether this run created the file."""
+    """The log this run holds locked: `fd`, whether this run created the file, and the
+    size and modification time of the earlier log it claimed (to tell whether the script
+    wrote to it)."""
 
     fd: int
     created: bool
+    before: tuple[int, int] = (0, 0)
 
 
 def _claim_log(shown: str, log: str) -> HeldLog:
@@ -203,7 +206,9 @@ def _claim_log(shown: str, log: str) -> HeldLog:
     try:  # a new file: nobody else's
         fd = os.open(log, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666)
     except FileExistsError:
-        return HeldLog(_take_over(where, log), created=False)
+        fd = _take_over(where, log)
+        earlier = os.fstat(fd)
+        return HeldLog(fd, created=False, before=(earlier.st_size, earlier.st_mtime_ns))
     except OSError as exc:
         raise InputError(f"{where}: cannot create it: {exc.strerror or exc}") from None
     if not _lock(fd):  # created this instant by another run that locked it first
@@ -257,20 +262,19 @@ def _lock(fd: int) -> bool:
     return True
 
 
-def _nothing_logged(log: str, held: HeldLog, run_id: str) -> bool:
-    """Whether this run wrote no log (no optimizer stepped); then the file this run
-    created is removed, and an earlier run's log it claimed is left as it was."""
-    start = read_start(log)
-    if start is not None and start.get("run_id") == run_id:
-        return False
+def _nothing_logged(log: str, held: HeldLog) -> bool:
+    """Whether the script wrote nothing to the log (it stepped no optimizer, or never
+    started); then the file this run created is removed, and an earlier run's log it
+    claimed is left as it was (the script's process empties it when it first steps)."""
     mine = os.fstat(held.fd)
-    if held.created and mine.st_size == 0:
-        with contextlib.suppress(OSError):
-            now = os.lstat(log)
-            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
-                os.remove(log)
-    # A log without this run's start event holds nothing of this run: the script wrote
-    # none, or wrote to it only what another deadweight wrote (not a report of this run).
+    if not held.created:
+        return (mine.st_size, mine.st_mtime_ns) == held.before
+    if mine.st_size:
+        return False
+    with contextlib.suppress(OSError):
+        now = os.lstat(log)
+        if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            os.remove(log)
     return True
 
 

@@ -115,6 +115,9 @@ class Watch:
 
     # The project's select/ignore and thresholds its reports use (`watch(config=...)`).
     settings: Settings = Settings()
+    # Append to the log instead of replacing it: `deadweight run`'s process continuing,
+    # after os.execv, the log its earlier image wrote.
+    log_append: bool = False
 
     def __init__(
         self,
@@ -525,7 +528,7 @@ class Watch:
             return
         pending, self._pending = self._pending, None
         try:
-            self._writer = LogWriter(self.log_path)
+            self._writer = LogWriter(self.log_path, append=self.log_append)
             for event in pending:
                 self._writer.write(event)
         except (OSError, InputError) as exc:  # InputError: a path no log may be written to

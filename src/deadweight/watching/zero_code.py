@@ -120,6 +120,15 @@ def start() -> None:
                 for event in self._pending:
                     if event.get("event") == "start" and run_id is not None:
                         event["run_id"] = run_id
+                # This run's log started by this very process: an earlier image of it,
+                # replaced by os.execv. Its events are kept; this image's follow them as
+                # a run of their own (the report reads the last, the page shows each).
+                earlier = read_start(self.log_path) or {}
+                self.log_append = (
+                    run_id is not None
+                    and earlier.get("run_id") == run_id
+                    and (earlier.get("pid") == os.getpid())
+                )
             super()._open_log()
 
     config = MonitorConfig(
