@@ -13,11 +13,9 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
-# Issue 33's bound on a hostile input: no read over 5 s or 300 MB (peak resident memory of
-# the whole process, imports included; the time is the child's own, from its start to its
-# report, so that a loaded machine's process start-up does not count).
-BOUND_SECONDS = 5.0
-BOUND_MB = 300.0
+from tests.cli_runner import BOUND_MB, BOUND_SECONDS
+
+__all__ = ["BOUND_MB", "BOUND_SECONDS", "READ_ALL", "Outcome", "run_bounded"]
 
 # What each child reports on its last line of stdout.
 _PRELUDE = """
