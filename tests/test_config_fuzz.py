@@ -16,13 +16,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from deadweight import config
 from deadweight.cli import main
 from deadweight.errors import ConfigError
+from deadweight.path_globs import compile_glob
 from deadweight.thresholds import KEYS as THRESHOLD_KEYS
+from tests.cli_runner import deadweight_cli, measured_cli
 from tests.fuzzing import FUZZ, fuzz
 
 pytestmark = fuzz
@@ -122,3 +125,95 @@ def test_valid_toml_with_wrong_types_is_one_config_error(table: dict, own_file: 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / name).write_text(text)
         _loads_or_config_error(Path(tmp), name)
+
+
+# -- path patterns (issue 33, case 9) --------------------------------------------------------
+
+_GLOB_PIECES = ["a", "b", "*", "?", "/", "**", "**/", "[", "]", "!", "-", "[a-b]", "[!a]"]
+
+
+@FUZZ
+@given(st.lists(st.sampled_from(_GLOB_PIECES), max_size=10).map("".join))
+def test_any_pattern_compiles_or_is_one_config_error(pattern: str) -> None:
+    for key in ("exclude", "per-file-ignores", "inference-only"):
+        value = (
+            f"{{{json.dumps(pattern)} = []}}"
+            if key == "per-file-ignores"
+            else f"[{json.dumps(pattern)}]"
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "deadweight.toml").write_text(f"{key} = {value}\n")
+            _loads_or_config_error(Path(tmp), "deadweight.toml")
+
+
+def _reference(pattern: str, parts: tuple[str, ...]) -> bool:
+    """What a pattern of `a`, `b`, `*`, `?`, `/` and `**` means, by exhaustive search:
+    fnmatch within a component, `**` as any number of components, and a match of any
+    leading part of the path (a directory above the file)."""
+    import fnmatch
+
+    text = pattern.strip().removeprefix("./").rstrip("/")
+    segments = text.split("/") if "/" in text else ["**", text]
+    if segments[-1] == "**" and len(segments) > 1:
+        segments[-1] = "*"
+
+    def whole(i: int, j: int, n: int) -> bool:
+        if i == len(segments):
+            return j == n
+        if segments[i] == "**":
+            return any(whole(i + 1, k, n) for k in range(j, n + 1))
+        return j < n and fnmatch.fnmatchcase(parts[j], segments[i]) and whole(i + 1, j + 1, n)
+
+    return any(whole(0, 0, n) for n in range(1, len(parts) + 1))
+
+
+@FUZZ
+@given(
+    st.lists(st.sampled_from(["a", "b", "*", "?", "/", "**", "**/"]), max_size=8).map("".join),
+    st.lists(st.text("ab", min_size=1, max_size=3), min_size=1, max_size=5),
+)
+def test_patterns_match_as_the_exhaustive_reference(pattern: str, parts: list[str]) -> None:
+    assert compile_glob(pattern).matches(tuple(parts)) is _reference(pattern, tuple(parts))
+
+
+@pytest.mark.parametrize("key", ["exclude", "per-file-ignores", "inference-only"])
+@pytest.mark.parametrize("pattern", ["[z-a]", "[!]", "src/[x"])
+def test_a_pattern_that_cannot_be_read_is_a_config_error(
+    tmp_path: Path, key: str, pattern: str
+) -> None:
+    """`[z-a]` and `[!]` ended lint with an re.error traceback; `deadweight config`
+    accepted them."""
+    value = (
+        f"{{{json.dumps(pattern)} = []}}"
+        if key == "per-file-ignores"
+        else f"[{json.dumps(pattern)}]"
+    )
+    (tmp_path / "deadweight.toml").write_text(f"{key} = {value}\n")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    for command in (["config"], ["lint", "."]):
+        result = deadweight_cli(*command, cwd=tmp_path)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.count("\n") == 1 and f"pattern {pattern!r}" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("patterns", "tree"),
+    [
+        # twelve `**/` against a file 20 folders deep: never finished
+        (["**/" * 12 + "nomatch"], {"/".join(["d"] * 20) + "/a.py": 1}),
+        # 5000 patterns on 100 files: 17 s (the regex cache held 512)
+        ([f"x{i}/*.py" for i in range(2500)] + [f"*/y{i}/*" for i in range(2500)],
+         {f"src/f{i}.py": 1 for i in range(100)}),
+    ],
+    ids=["globstars", "5000-patterns"],
+)  # fmt: skip
+def test_patterns_are_matched_in_bounded_time(
+    tmp_path: Path, patterns: list[str], tree: dict
+) -> None:
+    (tmp_path / "deadweight.toml").write_text(f"exclude = {json.dumps(patterns)}\n")
+    for name in tree:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    run = measured_cli("lint", ".", cwd=tmp_path)
+    assert run.result.returncode == 0, run.result.stderr
+    assert run.within_bounds, (run.seconds, run.peak_mb)

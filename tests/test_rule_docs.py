@@ -53,7 +53,10 @@ def test_stale_docs_are_detected_and_rewritten(tmp_path: Path) -> None:
     assert rule_docs.stale_docs(tmp_path) == []
     page = tmp_path / "DW104.md"
     page.write_text(page.read_text().replace("## Fix", "## Fixes"))
-    (tmp_path / "DW999.md").write_text("# a rule that is gone\n")
+    # A page an earlier version wrote for a rule that is gone, and a file of the user's.
+    gone = (tmp_path / "DW101.md").read_text().replace("DW101", "DW999")
+    (tmp_path / "DW999.md").write_text(gone)
+    (tmp_path / "DW998.md").write_text("# my notes on a rule\n")
     (tmp_path / "index.md").unlink()
     problems = rule_docs.stale_docs(tmp_path)
     assert problems == [
@@ -65,6 +68,7 @@ def test_stale_docs_are_detected_and_rewritten(tmp_path: Path) -> None:
     assert main(["rules", "--write-docs", str(tmp_path)]) == 0
     assert main(["rules", "--check-docs", str(tmp_path)]) == 0
     assert not (tmp_path / "DW999.md").exists()
+    assert (tmp_path / "DW998.md").read_text() == "# my notes on a rule\n"
 
 
 def test_index_links_every_rule_page() -> None:

@@ -21,10 +21,13 @@ table; a deadweight.toml wins over a pyproject.toml in the same directory. Every
 subcommand reads it (lint per linted file, the others from the working directory);
 the Python API only when asked (`config=` or `deadweight.load_config()`).
 
-Patterns are relative to the directory of the pyproject.toml. `*` and `?` stay
-within one path component, `**` spans any number of them; a pattern without `/`
-matches any file or directory of that name at any depth, and a pattern that matches
-a directory covers everything below it. An `inference-only` entry `PATH::FUNCTION`
+Patterns are relative to the directory of the pyproject.toml. `*`, `?` and `[...]`
+stay within one path component, a component `**` spans any number of them (elsewhere
+`**` is a `*`); a pattern without `/` matches any file or directory of that name at any
+depth, and a pattern that matches a directory covers everything below it. A pattern
+that cannot be read (`[z-a]`, an unclosed `[`) is a problem of the table, like an
+unknown key; each is compiled once and matched in time linear in the path's length
+(`deadweight.path_globs`). An `inference-only` entry `PATH::FUNCTION`
 marks only the matching functions (by name, or by qualified name such as
 `Model.generate` or `Model::generate`) of the matching files.
 
@@ -49,6 +52,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, ParamSpec, TypeVar
 
 from deadweight.errors import ConfigError
+from deadweight.path_globs import GlobError, GlobSet, PathGlob, compile_glob
 from deadweight.thresholds import DEFAULT as DEFAULT_THRESHOLDS
 from deadweight.thresholds import KEYS as THRESHOLD_KEYS
 from deadweight.thresholds import Thresholds, current, did_you_mean, key_of, using
@@ -119,21 +123,44 @@ class Config:
 
     def relative(self, path: str | Path) -> str | None:
         """`path` relative to the root in POSIX form, or None when it lies outside."""
-        try:
-            return Path(path).resolve().relative_to(self.root.resolve()).as_posix()
-        except ValueError:
+        parts = self._relative_parts(path)
+        return None if parts is None else "/".join(parts)
+
+    def _relative_parts(self, path: str | Path) -> tuple[str, ...] | None:
+        # Symbolic links resolved, each directory once (see _resolved): resolving every
+        # path of a deep tree whole cost a system call per component per file.
+        real = _resolved(os.path.abspath(path), self._resolved_dirs)
+        root = _resolved(os.path.abspath(self.root), self._resolved_dirs)
+        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
             return None
+        return tuple(Path(real[len(root) :].lstrip(os.sep)).parts)
+
+    @functools.cached_property
+    def _resolved_dirs(self) -> dict[str, str]:
+        return {}  # directory -> its real path: see _resolved
+
+    @functools.cached_property
+    def _exclude_globs(self) -> GlobSet:
+        return GlobSet.of(self.exclude)
+
+    @functools.cached_property
+    def _per_file_globs(self) -> tuple[tuple[PathGlob, tuple[str, ...]], ...]:
+        return tuple((compile_glob(p), rules) for p, rules in self.per_file_ignores)
 
     def excludes(self, path: str | Path) -> bool:
-        rel = self.relative(path)
-        return rel is not None and any(path_matches(p, rel) for p in self.exclude)
+        if not self.exclude:
+            return False
+        parts = self._relative_parts(path)
+        return parts is not None and self._exclude_globs.matches(parts)
 
     def ignored_rules(self, path: str | Path) -> tuple[str, ...]:
         """Rule entries ignored for this file by `per-file-ignores`."""
-        rel = self.relative(path)
-        if rel is None:
+        if not self.per_file_ignores:
             return ()
-        return tuple(e for pattern, rules in self.per_file_ignores if path_matches(pattern, rel)
+        parts = self._relative_parts(path)
+        if parts is None:
+            return ()
+        return tuple(e for glob, rules in self._per_file_globs if glob.matches(parts)
                      for e in rules)  # fmt: skip
 
     def inference_only_match(self, path: str | Path, function: str | None) -> str | None:
@@ -150,6 +177,36 @@ class Config:
             if function and _function_matches(function_pattern, function):
                 return entry
         return None
+
+
+_RESOLVED_MAX = 100_000  # directories kept by one configuration before it starts over
+
+
+def _resolved(path: str, known: dict[str, str]) -> str:
+    """`path` (absolute, normalised) with every symbolic link resolved, as realpath does,
+    but looking at each directory once: a directory's real path is cached, and a path's
+    own last component is the only new one (a lint of a deep tree resolved every
+    component of every path: 2100 folders deep took minutes). `known` holds the
+    directories resolved so far."""
+    chain: list[str] = []  # the components below the nearest directory already resolved
+    head = path
+    while head not in known:
+        parent, name = os.path.split(head)
+        if not name or parent == head:
+            known[head] = head  # the root
+            break
+        chain.append(name)
+        head = parent
+    real = known[head]
+    if len(known) > _RESOLVED_MAX:
+        known.clear()
+    for name in reversed(chain):
+        here = os.path.join(real, name)
+        real = os.path.realpath(here) if os.path.islink(here) else here
+        head = os.path.join(head, name)
+        if head != path:
+            known[head] = real
+    return real
 
 
 def default(root: Path | None = None) -> Config:
@@ -404,6 +461,16 @@ def from_table(
             problems.append(
                 f"inference-only entry {_shown(entry)} has no path pattern (use '**::NAME')"
             )
+    for key, patterns in (
+        ("exclude", exclude),
+        ("per-file-ignores", [p for p, _ in per_file]),
+        ("inference-only", [e.partition("::")[0] for e in inference_only]),
+    ):
+        for pattern in patterns:
+            try:
+                compile_glob(pattern)
+            except GlobError as exc:
+                problems.append(f"{key}: {exc}")
     fail_on = table.get("fail-on", DEFAULT_FAIL_ON)
     if fail_on not in FAIL_ON_CHOICES:
         problems.append(
@@ -495,48 +562,14 @@ def _shown(value: Any) -> str:
 
 
 def path_matches(pattern: str, rel: str) -> bool:
-    """Whether a POSIX path relative to the root, or a directory above it, matches `pattern`."""
-    pattern = pattern.strip().removeprefix("./").rstrip("/")
-    parts = PurePosixPath(rel).parts
-    if "/" not in pattern:
-        regex = _glob_regex(pattern)
-        return any(regex.fullmatch(part) for part in parts)
-    regex = _glob_regex(pattern)
-    return any(regex.fullmatch("/".join(parts[:n])) for n in range(1, len(parts) + 1))
+    """Whether a POSIX path relative to the root, or a directory above it, matches `pattern`
+    (see `deadweight.path_globs`); raises GlobError for a pattern that cannot be read."""
+    return _compiled(pattern).matches(PurePosixPath(rel).parts)
 
 
-@functools.lru_cache(maxsize=512)
-def _glob_regex(pattern: str) -> re.Pattern[str]:
-    out: list[str] = []
-    i = 0
-    while i < len(pattern):
-        c = pattern[i]
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-            continue
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[":
-            end = pattern.find("]", i + 1)
-            if end == -1:
-                out.append(re.escape(c))
-            else:
-                body = pattern[i + 1 : end]
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out.append(f"[{body}]")
-                i = end
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return re.compile("".join(out))
+@functools.lru_cache(maxsize=1024)
+def _compiled(pattern: str) -> PathGlob:
+    return compile_glob(pattern)
 
 
 def _function_matches(pattern: str, function: str) -> bool:

@@ -15,8 +15,11 @@ from collections.abc import Callable, Iterable
 from deadweight.thresholds import current
 
 # A layer index is a whole dotted component that is a number: `h.11.ln_1.weight`,
-# `model.layers.3.mlp`. Numbers inside a word (`fc1`, `conv2d`) are not indices.
-_INDEX = re.compile(r"(?:(?<=^)|(?<=\.))\d+(?=\.|$)")
+# `model.layers.3.mlp`. Numbers inside a word (`fc1`, `conv2d`) are not indices, nor is
+# one of more than MAX_INDEX_DIGITS digits: no model has 10**18 layers, and converting a
+# name's 5000-digit component (a hostile checkpoint's) would raise past Python's limit.
+MAX_INDEX_DIGITS = 18
+_INDEX = re.compile(rf"(?:(?<=^)|(?<=\.))[0-9]{{1,{MAX_INDEX_DIGITS}}}(?=\.|$)")
 
 MIN_SIBLINGS = 3  # fewer layers than this make no population to stand out from
 # The robust z-score above which a layer stands out (`outlier-z`) and the factor by

@@ -7,9 +7,12 @@ keeps the files in step with the registry and fails when a rule lacks a section.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from deadweight import thresholds
+from deadweight.errors import InputError
+from deadweight.output_files import OutputFile
 from deadweight.registry import DOC_SECTIONS, FAMILIES, Rule, all_rules
 
 # What every rule's docstring must hold; the registry insists on the first four when a
@@ -147,6 +150,33 @@ def generated_docs() -> dict[str, str]:
     return docs
 
 
+# A rule page's name: only a file so named can be a page of a rule that is gone.
+_RULE_PAGE = re.compile(r"DW[0-9]{3}\.md")
+
+
+def generated_here(path: Path) -> bool:
+    """Whether the file at `path` is a page this module wrote (now or in an earlier
+    version): a regular file that opens with its page's own heading and, for a rule
+    page, ends with the line that names the command printing it. Anything else there
+    is the user's, and is never replaced or removed."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with path.open(encoding="utf-8") as fh:
+            head = fh.read(200)
+    except (OSError, UnicodeDecodeError):
+        return False
+    if path.name == INDEX:
+        return head.startswith("# Rules\n")
+    if path.name == THRESHOLDS:
+        return head.startswith("# Thresholds\n")
+    code = path.name.removesuffix(".md")
+    if not (_RULE_PAGE.fullmatch(path.name) and head.startswith(f"# {code} ")):
+        return False
+    tail = path.read_bytes()[-400:].decode("utf-8", "replace")
+    return f"`deadweight rules {code}` prints this page." in tail
+
+
 def stale_docs(directory: str | Path) -> list[str]:
     """What differs between `directory` and the generated pages (empty when current)."""
     directory = Path(directory)
@@ -161,26 +191,53 @@ def stale_docs(directory: str | Path) -> list[str]:
     if directory.is_dir():
         problems += [
             f"{path}: no such rule any more"
-            for path in sorted(directory.glob("*.md"))
-            if path.name not in expected
+            for path in sorted(directory.glob("DW*.md"))
+            if path.name not in expected and generated_here(path)
         ]
     return problems
 
 
 def write_docs(directory: str | Path) -> list[Path]:
-    """Write every page (and remove pages of rules that are gone); the paths written."""
+    """Write every page, and remove the pages of rules that are gone; the paths written.
+
+    Only pages this module wrote are replaced or removed (`generated_here`): a file of
+    the user's under one of the names (a README.md, an index.md of their own) makes it
+    refuse, before anything is written, and files under other names are never touched.
+    Each page is written whole, through a temporary file."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(
+            f"--write-docs {directory}: cannot create it ({exc.strerror or exc})"
+        ) from None
     expected = generated_docs()
-    for path in directory.glob("*.md"):
-        if path.name not in expected:
-            path.unlink()
+    targets = {name: OutputFile.claim(str(directory / name), "--write-docs") for name in expected}
+    foreign = [
+        str(directory / name)
+        for name in expected
+        if (directory / name).exists() and not generated_here(directory / name)
+    ]
+    if foreign:
+        raise InputError(
+            f"--write-docs {directory}: {', '.join(foreign[:5])}"
+            + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            + " would be replaced but deadweight did not write them; nothing was written "
+            "(write the pages into a folder of their own)"
+        )
+    gone = [
+        path
+        for path in sorted(directory.glob("DW*.md"))
+        if path.name not in expected and generated_here(path)
+    ]
     written = []
     for name, text in expected.items():
         path = directory / name
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            path.write_text(text, encoding="utf-8")
+            targets[name].write_text(text)
             written.append(path)
+    for path in gone:
+        path.unlink()
     return written
 
 

@@ -22,13 +22,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import deadweight
-from deadweight import cli
+from deadweight import bounded_json, cli
 from deadweight.cli import main
 from deadweight.cli.report import classify, load_sections, report_from_dict
 from deadweight.demos import fused_rmsnorm
 from deadweight.errors import InputError
 from deadweight.report.text import render_plain
 from deadweight.watching.event_log import read_log
+from tests.cli_runner import measured_cli
 from tests.fuzzing import FUZZ, examples, fuzz
 
 pytestmark = fuzz
@@ -215,3 +216,54 @@ def test_the_html_page_of_mutated_inputs_is_written_or_an_error(data: Any) -> No
         assert code in (0, 1, 2), err
         assert "Traceback" not in err
         assert page.exists()  # the good log makes a page whatever the other input holds
+
+
+def _escaped_quotes(prefix: str, count: int) -> str:
+    """An unterminated string of `count` escaped quotes followed by 40 brackets: what made
+    the depth check restart at every quote (issue 33, case 8)."""
+    return prefix + '\\"' * count + "[" * 40
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("40k.jsonl", _escaped_quotes('{"event": "', 20_000) + "\n"),
+        ("300k.jsonl", _escaped_quotes('{"event": "', 150_000) + "\n"),
+        # not a log: report's input classification parses the whole file
+        ("300k.json", _escaped_quotes('{"kind": "', 150_000)),
+    ],
+    ids=["40k-log", "300k-log", "300k-json"],
+)
+def test_a_line_that_made_the_reader_quadratic(tmp_path: Path, name: str, text: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    for args in ([path], [path, "-o", tmp_path / "page.html"]):
+        run = measured_cli("report", *args)
+        assert run.result.returncode == 2, run.result.stderr
+        assert "Traceback" not in run.result.stderr and name in run.result.stderr
+        assert run.within_bounds, (run.seconds, run.peak_mb)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[" * 100_000, '"' * 100_001, '"\\' * 50_000, "[]" * 50_000, '{"a": ["]", {"b": "\\"["}]}'],
+    ids=["brackets", "quotes", "escapes", "pairs", "mixed"],
+)
+def test_nesting_is_measured_outside_strings_in_one_pass(text: str) -> None:
+    # The reference: a character-by-character scan that tracks strings and escapes.
+    level = deepest = opened = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            in_string, escaped = (True, False) if escaped else (c != '"', c == "\\")
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            level += 1
+            opened += 1
+            deepest = max(deepest, level)
+        elif c in "]}":
+            level -= 1
+    assert not bounded_json.deeper_than(text, deepest)
+    assert bounded_json.deeper_than(text, deepest - 1)
+    assert bounded_json.containers(text) == opened

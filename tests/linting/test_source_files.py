@@ -4,12 +4,14 @@ directories, non-regular and oversized files, undecodable bytes."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from deadweight.linting import source_files
 from deadweight.linting.source_files import SourceProblem, character_column, discover
+from tests.cli_runner import measured_cli
 
 
 def touch(path: Path, text: str = "x = 1\n") -> Path:
@@ -107,3 +109,38 @@ def test_undecodable_bytes_name_the_line(tmp_path: Path) -> None:
 def test_character_columns() -> None:
     assert character_column("abc", 2) == 3
     assert character_column("é = x", len("é = ".encode())) == 5
+
+
+def _deeper_than_path_max(root: Path, name: str) -> int:
+    """Folders `name/name/...` until the path passes PATH_MAX, a Python file at the bottom;
+    made through descriptors, as no path that long can be opened. Returns the depth."""
+    fd = os.open(root, os.O_RDONLY)
+    depth = 0
+    try:
+        while depth * (len(name) + 1) < 4200:
+            os.mkdir(name, dir_fd=fd)
+            below = os.open(name, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd, depth = below, depth + 1
+        out = os.open("deep.py", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(out, b"import torch\nx = 1\n")
+        os.close(out)
+    finally:
+        os.close(fd)
+    return depth
+
+
+@pytest.mark.parametrize("name", ["d", "d" * 200], ids=["2100-deep", "21-deep"])
+def test_a_file_deeper_than_path_max_is_named_not_skipped(tmp_path: Path, name: str) -> None:
+    """Issue 33, case 14: lint said "no Python files found", rc 0, after 29 s (minutes
+    for 2100 one-letter folders: every path resolved whole, for every file)."""
+    _deeper_than_path_max(tmp_path, name)
+    try:
+        run = measured_cli("lint", ".", cwd=tmp_path, timeout=120)
+        assert run.result.returncode == 2, run.result.stderr[-500:]
+        assert "longer than the system opens (PATH_MAX)" in run.result.stderr
+        assert "Traceback" not in run.result.stderr
+        assert run.within_bounds, (run.seconds, run.peak_mb)
+    finally:
+        # rm walks by descriptors; shutil.rmtree recurses once per folder, past Python's limit.
+        subprocess.run(["rm", "-rf", str(tmp_path / name)], check=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import os
 import re
 import subprocess
@@ -14,6 +15,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from deadweight.report import html as html_report
 from deadweight.report.text import render_plain
@@ -140,13 +143,25 @@ def test_config_table_shows_values_as_text(tmp_path):
     project = tmp_path / "[red]proj"
     project.mkdir()
     (project / "deadweight.toml").write_text(
-        '[per-file-ignores]\n"[link=https://evil.example]x[/link]\\u001b[2J" = ["DW501"]\n'
+        'inference-only = ["model.py::[link=https://evil.example]x[/link]\\u001b[2J"]\n'
     )
     result = dw("config", project, env=COLOUR)
     assert result.returncode == 0, result.stderr
     plain = SGR.sub("", result.stdout)
     assert OSC not in result.stdout and CLEAR not in result.stdout
     assert "[red]proj" in plain and "[link=https://evil.example]x[/link]" in plain
+
+
+def test_config_error_shows_a_pattern_as_text(tmp_path):
+    # Not a path pattern deadweight can read (its `[` classes are never closed): the
+    # error names it, as text.
+    (tmp_path / "deadweight.toml").write_text(
+        '[per-file-ignores]\n"[link=https://evil.example]x[/link]\\u001b[2J" = ["DW501"]\n'
+    )
+    result = dw("config", tmp_path, env=COLOUR)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert OSC not in result.stderr and CLEAR not in result.stderr
+    assert r"\x1b[2J" in result.stderr and "never closed" in result.stderr
 
 
 # -- JSON --------------------------------------------------------------------------------
@@ -292,3 +307,85 @@ def test_watch_log_plots_show_parameter_names_as_text(tmp_path):
     _assert_page_safe(page)
     titles = [fig[1]["title"]["text"] for fig in figures(page)]
     assert html.escape(link, quote=False) in titles and r"\x1b[2J" in titles
+
+
+# -- names no encoding can write, names with absurd numbers (issue 33, cases 6 and 13) ----
+
+
+def _save_raw_safetensors(path: Path, tensors: dict[str, list[float]]) -> None:
+    """A safetensors file whose header names tensors as JSON allows (`\\ud800`, a lone
+    surrogate, that no UTF encoding can write): written by hand, as no library would."""
+    import struct
+
+    header, data = {}, b""
+    for name, values in tensors.items():
+        raw = struct.pack(f"<{len(values)}f", *values)
+        header[name] = {"dtype": "F32", "shape": [len(values)],
+                        "data_offsets": [len(data), len(data) + len(raw)]}  # fmt: skip
+        data += raw
+    text = json.dumps(header).encode()  # ensure_ascii: the surrogate stays an escape
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+SURROGATE = "a\ud800.w"
+
+
+@pytest.fixture(scope="module")
+def surrogates(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("surrogates")
+    _save_raw_safetensors(d / "n.safetensors", {SURROGATE: [math.nan, 1, 2], "b.w": [1, 1]})
+    _save_raw_safetensors(d / "m.safetensors", {SURROGATE: [0, 1, 2], "b.w": [1, 1]})
+    saved = dw("inspect", d / "n.safetensors", "--format", "json")
+    (d / "saved.json").write_text(saved.stdout)
+    return d
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["inspect", "n.safetensors"], ["diff", "n.safetensors", "m.safetensors"],
+     ["report", "saved.json"], ["trend", "n.safetensors", "m.safetensors"]],
+    ids=["inspect", "diff", "report", "trend"],
+)  # fmt: skip
+def test_a_lone_surrogate_in_a_name_is_shown_escaped(surrogates, args):
+    result = deadweight_cli(*args, env=PLAIN, cwd=surrogates)
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.returncode in (0, 1), result.stderr
+    if args[0] != "trend":  # trend lists single-element tensors only
+        assert r"a\ud800.w" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["inspect", "n.safetensors", "--html"], ["report", "saved.json", "-o"]],
+    ids=["inspect", "report"],
+)
+def test_a_lone_surrogate_in_a_name_reaches_the_page_escaped(surrogates, args, tmp_path):
+    pytest.importorskip("plotly", reason="the HTML report needs deadweight[html]")
+    page = tmp_path / "page.html"
+    page.write_text("an earlier report")
+    result = deadweight_cli(*args, page, env=PLAIN, cwd=surrogates)
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 1, result.stderr
+    text = page.read_text(encoding="utf-8")
+    assert r"a\ud800.w" in text and "an earlier report" not in text
+
+
+def test_a_layer_index_of_5000_digits_is_a_name(tmp_path):
+    big = "9" * 5000
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({f"a.{big}.w": torch.tensor([math.nan, 1.0]), "a.1.w": torch.ones(2)}, a)
+    save_file({f"a.{big}.w": torch.tensor([math.nan, 1.0]), "a.1.w": torch.ones(2)}, b)
+    inspect = dw("inspect", a)
+    # The whole file is read: its NaN is found (it was refused as unreadable).
+    assert inspect.returncode == 1 and "Traceback" not in inspect.stderr, inspect.stderr[-2000:]
+    assert "could not be read" not in inspect.stdout
+    diff = dw("diff", a, b)  # DW401 lists both names (compress_names raised on this one)
+    assert diff.returncode == 1 and "Traceback" not in diff.stderr, diff.stderr[-2000:]
+    assert big[:50] in diff.stdout.replace("\n", "").replace("│", "").replace(" ", "")
+
+
+def test_safe_text_escapes_lone_surrogates():
+    from deadweight.report.display import safe_text
+
+    assert safe_text("a\ud800b\udfff") == r"a\ud800b\udfff"
+    assert safe_text("a\U0001f600") == "a\U0001f600"  # a real astral character stays

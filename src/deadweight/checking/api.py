@@ -86,6 +86,8 @@ def check(
     impossible on every rank.
     """
     selection = Selection.of(select, ignore)
+    if not isinstance(model, nn.Module):  # before the wrappers are looked into
+        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if wrappers.deepspeed_engine(model):
         # Its gradient hooks would run in the check's backward (reducing and
         # partitioning gradients mid-step), and it refuses a plain backward anyway.

@@ -40,7 +40,7 @@ from deadweight.checkpoints.readers import (
     open_checkpoint,
     step_of,
 )
-from deadweight.checkpoints.readers.base import PASS_THROUGH, reading_error
+from deadweight.checkpoints.readers.base import PASS_THROUGH, StorageOrderEntry, reading_error
 from deadweight.checkpoints.scan_stats import (
     CheckpointScan,
     DiffStats,
@@ -163,6 +163,9 @@ def _scan_entry(
     pool: ThreadPoolExecutor | None,
     threads: int,
 ) -> None:
+    if isinstance(entry, StorageOrderEntry):
+        # Its elements are not in C order: statistics hold, quantization blocks do not.
+        scheme, scalars = None, []
     fast = None
     if entry.is_float and kernels is not None:
         fast = scan_tensor(ckpt, entry, kernels, pool, threads, scheme, scalars)
@@ -201,7 +204,8 @@ def _largest_per_layer(entries: list[TensorEntry]) -> dict[str, TensorEntry]:
     for entry in entries:
         layer = _layer_prefix(entry.name)
         bigger = layer not in largest or entry.numel > largest[layer].numel
-        if entry.is_float and entry.numel > 1 and layer in scalar_layers and bigger:
+        ordered = not isinstance(entry, StorageOrderEntry)
+        if entry.is_float and entry.numel > 1 and layer in scalar_layers and bigger and ordered:
             largest[layer] = entry
     return largest
 
@@ -277,10 +281,17 @@ def _diff_entries(stats: DiffStats, left: Checkpoint, right: Checkpoint) -> None
             stats.reshaped.append((name, list(ea.shape), list(eb.shape)))
         elif ea.dtype != eb.dtype:
             stats.retyped.append((name, ea.dtype, eb.dtype))
-        elif not ea.is_float:
+        elif not ea.is_float or _orders_differ(ea, eb):
             stats.listed_only.append(name)
         else:
             stats.tensors[name] = _compare(name, left, ea, right, eb)
+
+
+def _orders_differ(ea: TensorEntry, eb: TensorEntry) -> bool:
+    """Whether the two tensors' chunks come in different element orders (one is stored
+    in Fortran order and too large to reorder): then they cannot be compared element by
+    element. Two of the same shape, both as stored, line up."""
+    return isinstance(ea, StorageOrderEntry) != isinstance(eb, StorageOrderEntry)
 
 
 def _compare(

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import gc
+import os
 import sys
+import sysconfig
 import traceback
 from collections.abc import Sequence
 
@@ -35,7 +38,14 @@ SUBCOMMANDS = (
 class ExitCode(enum.IntEnum):
     OK = 0
     FINDINGS = 1  # something at or above --fail-on was found
-    USAGE = 2  # bad arguments or input, or deadweight could not run the check
+    # bad arguments or input, deadweight could not run the check, or anything it did not
+    # expect: never 1, which CI reads as findings
+    USAGE = 2
+
+
+# Set to 1 to have an unexpected error's whole traceback (for a bug report).
+TRACEBACK_ENV = "DEADWEIGHT_TRACEBACK"
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _escape_what_cannot_be_printed() -> None:
+    """A character the terminal's encoding cannot write (a lone surrogate from a
+    checkpoint's name, anything but ASCII under PYTHONIOENCODING=ascii) is printed as an
+    escape (`\\ud800`) instead of ending the command with a traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            with contextlib.suppress(ValueError, OSError):  # closed, or not a text file
+                reconfigure(errors="backslashreplace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _escape_what_cannot_be_printed()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -81,3 +103,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("deadweight: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as exc:
+        # deadweight itself never exits inside a command: the user's code called sys.exit
+        # (in the file `check` imports, its factory or its loss function).
+        _say(f"deadweight: error: the code under check called sys.exit({exc.code!r}){_where(exc)}; "
+             "the command did not finish and nothing was reported")  # fmt: skip
+        return ExitCode.USAGE
+    except BaseException as exc:  # anything else: one line saying what and where, exit 2
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            with contextlib.suppress(Exception):
+                traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        _say(f"deadweight: error: {_unexpected(exc)}")
+        return ExitCode.USAGE
+
+
+def _innermost(exc: BaseException) -> traceback.FrameSummary | None:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return frames[-1] if frames else None
+
+
+def _where(exc: BaseException) -> str:
+    frame = _innermost(exc)
+    if frame is None:
+        return ""
+    name = frame.filename
+    with contextlib.suppress(ValueError):
+        relative = os.path.relpath(name)
+        name = relative if not relative.startswith("..") else name
+    return f" (at {name}:{frame.lineno} in {frame.name})"
+
+
+def _unexpected(exc: BaseException) -> str:
+    """What went wrong, and whose code it was in: deadweight's own (a bug), a library's,
+    or the user's (the file `check` imports, its loss function)."""
+    what = f"{type(exc).__name__}{': ' if str(exc) else ''}{' '.join(str(exc).split())[:300]}"
+    frame = _innermost(exc)
+    where = os.path.abspath(frame.filename) if frame is not None else ""
+    if where.startswith(_PACKAGE + os.sep):
+        return (
+            f"internal error, {what}{_where(exc)}: a deadweight bug; please report it with "
+            f"the traceback that {TRACEBACK_ENV}=1 prints"
+        )
+    installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if frame is None or where.startswith(tuple(p + os.sep for p in installed)) or where[:1] == "<":
+        return f"unexpected {what}{_where(exc)}; nothing was reported"
+    return f"the code under check raised {what}{_where(exc)}; nothing was reported"
+
+
+def _say(text: str) -> None:
+    """One line on stderr, however the code under check left sys.stderr."""
+    line = safe_text(text) + "\n"
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            if stream is not None and not stream.closed:
+                stream.write(line)
+                stream.flush()
+                return
+        except (OSError, ValueError):
+            continue
+    with contextlib.suppress(OSError):
+        os.write(2, line.encode("utf-8", "backslashreplace"))

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 from rich.text import Text
 
-from deadweight.cli._common import add_html_option, add_report_options, emit
+from deadweight.cli._common import add_html_option, add_report_options, claim_html, emit
 from deadweight.cli._console import print_whole
 from deadweight.report import Report
 from deadweight.report.display import plain, safe_text
@@ -35,6 +35,15 @@ def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
     )
     add_report_options(parser)
     add_html_option(parser)
+
+
+# What the checkpoint commands read inside a folder they are given: --html is refused there
+# under such a name (a DCP directory's shards, a sharded index and its shards).
+READS = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".npz", ".json", ".distcp", ".metadata")
+
+
+def claim_checkpoint_html(args: argparse.Namespace, inputs: list[str]) -> None:
+    claim_html(args, inputs, READS)
 
 
 def expand(inputs: list[str]) -> tuple[list[str], list[str]]:

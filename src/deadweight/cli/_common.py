@@ -9,12 +9,15 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from rich.console import Console
 
 from deadweight import config as config_module
 from deadweight.config import Config, Settings
+from deadweight.errors import InputError
 from deadweight.findings import Severity
+from deadweight.output_files import OutputFile
 from deadweight.report import Report
 from deadweight.report.text import render
 from deadweight.watching.watch_stats import WatchStats
@@ -106,6 +109,13 @@ def _html_path(path: str) -> str:
     return path
 
 
+def claim_html(args: argparse.Namespace, inputs: list[str], reads: tuple[str, ...] = ()) -> None:
+    """Check --html before anything runs: it must not be one of `inputs` (nor a file of
+    a kind in `reads` inside an input folder), a link, a FIFO, a directory or empty."""
+    if getattr(args, "html", None) is not None:
+        args.html_target = OutputFile.claim(args.html, "--html", inputs=inputs, reads=reads)
+
+
 def emit(
     report: Report,
     args: argparse.Namespace,
@@ -115,13 +125,19 @@ def emit(
 ) -> int:
     """Print the report and write --html (of `html_report` when the printed one is
     trimmed for the terminal); the exit code --fail-on asks for."""
-    if getattr(args, "html", None):
+    if getattr(args, "html", None) is not None:
         from deadweight.report.html import Section, write_html
 
+        target = getattr(args, "html_target", None) or OutputFile.claim(args.html, "--html")
         full = html_report or report
         label = str(full.subject.get("log") or getattr(args, "target", None) or full.kind)
         notes = list(stats.problems) if stats is not None else []
-        write_html(args.html, [Section(label, full, stats, notes)])
+        write_html(target, [Section(label, full, stats, notes)])
+    if sys.stdout is None or sys.stdout.closed:
+        raise InputError(
+            "standard output was closed by the code under check (sys.stdout.close()), so "
+            "the report cannot be printed"
+        )
     if args.format == "json":
         print(report.to_json())
     else:
@@ -140,14 +156,32 @@ def script_output_to_stderr(active: bool = True) -> Iterator[None]:
         return
     sys.stdout.flush()
     saved = _point_stdout_at_stderr()
+    # The user's code gets its own stream onto stderr: its sys.stdout.close() then closes
+    # that copy, not the stderr deadweight reports on.
+    copy = _stderr_copy()
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(copy or sys.stderr):
             yield
     finally:
-        sys.stderr.flush()
+        if copy is not None:
+            with contextlib.suppress(OSError, ValueError):
+                copy.close()
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
         if saved is not None:
             os.dup2(saved, 1)
             os.close(saved)
+
+
+def _stderr_copy() -> TextIO | None:
+    """A line-buffered text stream on a copy of stderr's descriptor; None where stderr
+    has none (captured in-process)."""
+    try:
+        fd = os.dup(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return None
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    return os.fdopen(fd, "w", buffering=1, encoding=encoding, errors="backslashreplace")
 
 
 def _point_stdout_at_stderr() -> int | None:

@@ -11,6 +11,7 @@ from typing import Any
 from deadweight.cli._common import (
     add_html_option,
     add_report_options,
+    claim_html,
     emit,
     script_output_to_stderr,
 )
@@ -36,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from deadweight.checking.api import check  # torch: only when a check runs
 
     path, func_name = parse_target(args.target)
+    claim_html(args, [path])  # before the user's code runs: a refusal costs nothing
     # The file's own prints (at import, in the factory, in the forward or the loss) must
     # not mix with a JSON report on stdout.
     with script_output_to_stderr(args.format == "json"):

@@ -6,7 +6,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from deadweight.cli._checkpoints import add_checkpoint_options, diff_table, finish
+from deadweight.cli._checkpoints import (
+    add_checkpoint_options,
+    claim_checkpoint_html,
+    diff_table,
+    finish,
+)
 from deadweight.errors import InputError
 
 HELP = "what changed between two checkpoints of one run"
@@ -24,6 +29,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from deadweight.checkpoints import api as forensics  # torch: only when it runs
 
+    claim_checkpoint_html(args, [args.a, args.b])
     try:
         report = forensics.diff_checkpoints(
             args.a, args.b, unsafe_pickle=args.unsafe_pickle, select=args.select,

@@ -8,6 +8,7 @@ from typing import Any
 
 from deadweight.cli._checkpoints import (
     add_checkpoint_options,
+    claim_checkpoint_html,
     expand,
     finish,
     optimizer_table,
@@ -44,6 +45,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from deadweight.checkpoints import api as forensics  # torch: only when it runs
 
+    claim_checkpoint_html(args, args.paths)
     paths, errors = expand(args.paths)
     if not paths and errors:
         raise InputError("; ".join(errors))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from typing import Any
 
@@ -13,6 +14,7 @@ from deadweight.errors import InputError
 from deadweight.findings import Severity
 from deadweight.linting.api import AUTO, lint_paths
 from deadweight.linting.source_files import MAX_TOKENS
+from deadweight.output_files import OutputFile
 from deadweight.report import Report
 from deadweight.report.display import safe_text
 from deadweight.report.sarif import render_sarif
@@ -53,6 +55,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_file_size <= 0:
         raise InputError("--max-file-size must be positive")
     config = None if args.isolated else (args.config or AUTO)
+    target = (
+        None
+        if args.output is None
+        else OutputFile.claim(args.output, "-o", inputs=args.paths, reads=(".py", ".rs"))
+    )
     try:
         report = lint_paths(
             args.paths,
@@ -63,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:  # an unknown rule in --select / --ignore
         raise InputError(str(exc)) from None
-    _write(report, args)
+    _write(report, args, target)
     errors = report.subject["errors"]
     for error in errors:
         where = error["file"] + "".join(
@@ -78,19 +85,19 @@ def run(args: argparse.Namespace) -> int:
     return 1 if report.failed(fail_on) else 0
 
 
-def _write(report: Report, args: argparse.Namespace) -> None:
+def _write(report: Report, args: argparse.Namespace, target: OutputFile | None) -> None:
     if args.format == "sarif":
         text = render_sarif(report)
     elif args.format == "json":
         text = report.to_json()
     else:
         text = None
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            if text is not None:
-                fh.write(text + "\n")
-            else:
-                render(report, Console(file=fh, no_color=True, highlight=False, width=200))
+    if target is not None:
+        if text is None:
+            page = io.StringIO()
+            render(report, Console(file=page, no_color=True, highlight=False, width=200))
+            text = page.getvalue().removesuffix("\n")
+        target.write_text(text + "\n")
     elif text is not None:
         print(text)
     else:

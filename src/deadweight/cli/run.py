@@ -7,13 +7,15 @@ from the event log and printed, and the script's own exit code is returned. A
 SIGTERM sent to deadweight is passed on to the script at once.
 
 The log never costs the user a file. `--log PATH` may name a new file or an earlier
-run's own log (its first line is a deadweight start event), which is replaced; anything
-else (a directory, a FIFO, an empty or any other file) is refused before the script
-starts. While the run lasts deadweight holds an exclusive lock on the log, so a second
+run's own log (its first line is a deadweight start event); anything else (a directory,
+a symbolic link, a FIFO, an empty or any other file, a file of the command) is refused
+before the script starts. An earlier log is replaced only once the script steps an
+optimizer: a script that fails to start (a typo in its name) or steps none leaves it as
+it was. While the run lasts deadweight holds an exclusive lock on the log, so a second
 run with the same log (two runs with the default, in one folder) is refused rather
-than taking it over. The rank and pid logs beside it (`STEM.rankN.EXT`,
-`STEM.pidN.EXT`, exactly) that are earlier runs' logs are removed; those written by
-this run carry its `run_id`, and only those are listed after the report.
+than taking it over. Once this run has logged, the rank and pid logs beside it
+(`STEM.rankN.EXT`, `STEM.pidN.EXT`, exactly) that are earlier runs' logs are removed;
+those written by this run carry its `run_id`, and only those are listed after the report.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -36,6 +39,7 @@ import deadweight
 from deadweight.cli._common import add_html_option, add_report_options, emit
 from deadweight.cli.report import load_log
 from deadweight.errors import InputError
+from deadweight.output_files import OutputFile, refusal
 from deadweight.registry import Selection
 from deadweight.report.display import safe_text
 from deadweight.watching import run_status
@@ -51,6 +55,7 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks, so no refu
 # out of the script's process; both absent on Windows.
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a link put at the log path is never followed
 
 HELP = "run a training script with every optimizer it creates watched"
 # A Ctrl-C at the terminal reaches the script itself (same foreground process group),
@@ -105,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise InputError(str(exc)) from None
     log = os.path.abspath(args.log)
+    if args.html:  # the log and the command's files are what the report is made from
+        args.html_target = OutputFile.claim(
+            args.html, "--html", inputs=[log, *(a for a in command if os.path.isfile(a))]
+        )
     held = _claim_log(args.log, log)  # before the script starts: a refusal costs nothing
     # Where the script's processes say whether they were watched (watching/run_status.py):
     # a private folder, outside the user's, removed when the run ends.
@@ -112,15 +121,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run_and_report(command, log, held, status, args)
     finally:
-        os.close(held)  # releases the lock
+        os.close(held.fd)  # releases the lock
         shutil.rmtree(status, ignore_errors=True)
 
 
 def _run_and_report(
-    command: list[str], log: str, held: int, status: str, args: argparse.Namespace
+    command: list[str], log: str, held: HeldLog, status: str, args: argparse.Namespace
 ) -> int:
     run_id = uuid.uuid4().hex
-    _remove_stale_process_logs(log)
     env = dict(os.environ)
     env[run_status.ENV_STATUS] = status
     bootstrap = os.path.join(os.path.dirname(deadweight.__file__), "watching", "_bootstrap")
@@ -136,17 +144,20 @@ def _run_and_report(
     try:
         child = subprocess.Popen(command, env=env, stdout=stdout)
     except OSError as exc:
-        _remove_if_empty(log, held)
+        _nothing_logged(log, held)
         raise InputError(f"cannot run {command[0]!r}: {exc}") from None
     code = _wait(child)
     print(file=sys.stderr)
-    empty = _remove_if_empty(log, held)
+    empty = _nothing_logged(log, held)
     attach = run_status.summarise(run_status.read(status), log_written=not empty)
-    for line in attach.lines:
-        print(safe_text(f"deadweight: {line}"), file=sys.stderr)
+    kept = "" if held.created else f" (the earlier log {log} was left as it was)"
+    for i, line in enumerate(attach.lines):
+        tail = kept if empty and i == len(attach.lines) - 1 else ""
+        print(safe_text(f"deadweight: {line}{tail}"), file=sys.stderr)
     unwatched = attach.unwatched
     if empty:
         return exit_code(code, 0, unwatched=unwatched)
+    _remove_stale_process_logs(log, run_id)
     try:
         ((report, stats),) = load_log(log, args.select, args.ignore)
     except Exception as exc:  # an empty log (killed at once) or a deadweight bug
@@ -178,56 +189,68 @@ def exit_code(script: int, findings: int, *, unwatched: bool = False) -> int:
     return TOOL_ERROR if unwatched else findings
 
 
-def _claim_log(shown: str, log: str) -> int:
-    """Create the log, or take over an earlier run's own log, and lock it for this run.
+@dataclass(frozen=True)
+class HeldLog:
+    """The log this run holds locked: `fd`, whether this run created the file, and the
+    size and modification time of the earlier log it claimed (to tell whether the script
+    wrote to it)."""
 
-    Returns the locked descriptor; raises InputError for anything that is not ours to
-    write (the file is left as it was)."""
+    fd: int
+    created: bool
+    before: tuple[int, int] = (0, 0)
+
+
+def _claim_log(shown: str, log: str) -> HeldLog:
+    """Create the log, or claim an earlier run's own log, and lock it for this run.
+
+    Raises InputError for anything that is not ours to write. Nothing is written: an
+    earlier log is replaced by the script's own process once it steps an optimizer."""
     where = f"--log {shown}"
-    if os.path.isdir(log) or shown.endswith(("/", os.sep)):
+    if not shown or os.path.isdir(log) or shown.endswith(("/", os.sep)):
+        problem = refusal(shown) or "is a directory; give the path of a file"
         raise InputError(
-            f"{where}: is a directory; give the log file's path, "
-            f"e.g. --log {os.path.join(shown, 'deadweight-run.jsonl')}"
+            f"{where}: {problem}"
+            + (f", e.g. --log {os.path.join(shown, 'deadweight-run.jsonl')}" if shown else "")
         )
     try:
         os.makedirs(os.path.dirname(log), exist_ok=True)
     except OSError as exc:
         raise InputError(f"{where}: cannot create its folder: {exc.strerror or exc}") from None
+    why = refusal(log)
+    if why is not None:
+        raise InputError(f"{where}: {why}; choose another --log")
     try:  # a new file: nobody else's
-        held = os.open(log, os.O_RDWR | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o666)
+        fd = os.open(log, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666)
     except FileExistsError:
-        held = _take_over(where, log)
+        fd = _take_over(where, log)
+        earlier = os.fstat(fd)
+        return HeldLog(fd, created=False, before=(earlier.st_size, earlier.st_mtime_ns))
     except OSError as exc:
         raise InputError(f"{where}: cannot create it: {exc.strerror or exc}") from None
-    else:
-        if not _lock(held):  # created this instant by another run that locked it first
-            os.close(held)
-            raise InputError(f"{where}: is the event log of another deadweight run that is "
-                             "still running; choose another --log")  # fmt: skip
-    return held
+    if not _lock(fd):  # created this instant by another run that locked it first
+        os.close(fd)
+        raise InputError(f"{where}: is the event log of another deadweight run that is "
+                         "still running; choose another --log")  # fmt: skip
+    return HeldLog(fd, created=True)
 
 
 def _take_over(where: str, log: str) -> int:
-    """An existing file at the log path: ours to replace only if it is an earlier run's log."""
+    """An existing file at the log path: ours to claim only if it is an earlier run's log.
+    It is locked, not emptied."""
     try:
-        info = os.stat(log)
-    except OSError as exc:  # a symbolic link to nowhere, a path through a file
-        what = "a symbolic link to nowhere" if os.path.islink(log) else exc.strerror or exc
-        raise InputError(f"{where}: {what}; choose another --log") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise InputError(f"{where}: exists and is not a regular file; choose another --log")
-    try:
-        held = os.open(log, os.O_RDWR | _NONBLOCK | _CLOEXEC)
-    except OSError as exc:
+        held = os.open(log, os.O_RDWR | _NONBLOCK | _NOFOLLOW | _CLOEXEC)
+    except OSError as exc:  # a link swapped in since the check (ELOOP), a path through a file
         raise InputError(f"{where}: cannot open it: {exc.strerror or exc}") from None
     try:
+        mine = os.fstat(held)
+        if not stat.S_ISREG(mine.st_mode):
+            raise InputError(f"{where}: exists and is not a regular file; choose another --log")
         if not _lock(held):
             other = read_start(log) or {}
             pid = other.get("pid")
             by = f" (its script: pid {pid})" if isinstance(pid, int) else ""
             raise InputError(f"{where}: is the event log of another deadweight run that is "
                              f"still running{by}; choose another --log")  # fmt: skip
-        mine = os.fstat(held)
         start = read_start(log)
         same = os.stat(log)
         if start is None or (same.st_dev, same.st_ino) != (mine.st_dev, mine.st_ino):
@@ -236,7 +259,6 @@ def _take_over(where: str, log: str) -> int:
                 f"{where}: exists and is not a deadweight event log{empty}; deadweight run "
                 "replaces only its own logs: choose another --log or remove the file"
             )
-        os.ftruncate(held, 0)  # an earlier run's log must not pass for this one's
     except BaseException:
         os.close(held)
         raise
@@ -256,26 +278,32 @@ def _lock(fd: int) -> bool:
     return True
 
 
-def _remove_if_empty(log: str, held: int) -> bool:
-    """Remove the log this run created when nothing was written to it (no optimizer stepped)."""
-    mine = os.fstat(held)
+def _nothing_logged(log: str, held: HeldLog) -> bool:
+    """Whether the script wrote nothing to the log (it stepped no optimizer, or never
+    started); then the file this run created is removed, and an earlier run's log it
+    claimed is left as it was (the script's process empties it when it first steps)."""
+    mine = os.fstat(held.fd)
+    if not held.created:
+        return (mine.st_size, mine.st_mtime_ns) == held.before
     if mine.st_size:
         return False
     with contextlib.suppress(OSError):
-        now = os.stat(log)
+        now = os.lstat(log)
         if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
             os.remove(log)
     return True
 
 
-def _remove_stale_process_logs(log: str) -> None:
-    """Earlier runs' rank and pid logs beside the log: they must not pass for this run's.
+def _remove_stale_process_logs(log: str, run_id: str) -> None:
+    """Earlier runs' rank and pid logs beside the log, once this run has logged: they
+    must not pass for this run's.
 
-    Only files named exactly so and holding a deadweight log are removed, and none that a
-    live run holds (another run's main log can have such a name)."""
+    Only files named exactly so and holding a deadweight log of another run are removed,
+    and none that a live run holds (another run's main log can have such a name)."""
     for path in process_logs_beside(log):
-        if read_start(path) is None:
-            continue  # not a deadweight log: not ours to remove
+        start = read_start(path)
+        if start is None or start.get("run_id") == run_id:
+            continue  # not a deadweight log, or this run's own
         try:
             fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
         except OSError:

@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from deadweight.cli._checkpoints import add_checkpoint_options, expand, finish, trend_table
+from deadweight.cli._checkpoints import (
+    add_checkpoint_options,
+    claim_checkpoint_html,
+    expand,
+    finish,
+    trend_table,
+)
 from deadweight.errors import InputError
 
 HELP = "single-element tensors across a series of checkpoints (a directory or glob works)"
@@ -22,6 +28,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from deadweight.checkpoints import api as forensics  # torch: only when it runs
 
+    claim_checkpoint_html(args, args.paths)
     paths, errors = expand(args.paths)
     if not paths and errors:
         raise InputError("; ".join(errors))

@@ -150,7 +150,13 @@ def _walk(
             try:
                 target = os.stat(path)  # follows links
             except OSError as exc:
-                if entry.is_symlink() or Path(entry.name).suffix in LANGUAGES:
+                # A path too long to open is named whatever it is: a folder there may
+                # hold sources (it was skipped without a word).
+                if (
+                    entry.is_symlink()
+                    or Path(entry.name).suffix in LANGUAGES
+                    or exc.errno == errno.ENAMETOOLONG
+                ):
                     problems.append(SourceProblem(path, _os_reason(exc, path)))
                 continue
             key = (target.st_dev, target.st_ino)
@@ -262,4 +268,9 @@ def _os_reason(exc: OSError, path: str) -> str:
         return "no such file or directory"
     if exc.errno in (errno.EACCES, errno.EPERM):
         return "permission denied; not linted"
+    if exc.errno == errno.ENAMETOOLONG:
+        return (
+            f"the path is {len(os.fsencode(path))} bytes, longer than the system opens "
+            "(PATH_MAX); nothing there or below is linted"
+        )
     return f"cannot read: {exc.strerror or exc}; not linted"

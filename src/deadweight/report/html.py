@@ -28,6 +28,7 @@ from deadweight._version import __version__
 from deadweight.errors import InputError
 from deadweight.findings import Finding, Severity
 from deadweight.homologous import layer_key
+from deadweight.output_files import OutputFile
 from deadweight.registry import get_rule
 from deadweight.report import SCHEMA_VERSION, Report, loss_curve, markdown
 from deadweight.report.display import html_text, plotly_text
@@ -78,13 +79,13 @@ def require_plotly() -> Any:
     return go
 
 
-def write_html(path: str, sections: Sequence[Section], notes: Sequence[str] = ()) -> None:
-    text = render_html(sections, notes)
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError as exc:
-        raise InputError(f"cannot write {path}: {exc}") from None
+def write_html(
+    path: str | OutputFile, sections: Sequence[Section], notes: Sequence[str] = ()
+) -> None:
+    """The page, written whole or not at all (an existing file is replaced only once the
+    page is complete); raises InputError for a path no output may be written to."""
+    target = path if isinstance(path, OutputFile) else OutputFile.claim(path, "HTML report")
+    target.write_text(render_html(sections, notes))
 
 
 def render_html(sections: Sequence[Section], notes: Sequence[str] = ()) -> str:
@@ -852,11 +853,14 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", name)
 
 
-_DIGITS = re.compile(r"(\d+)")
+_DIGITS = re.compile(r"([0-9]+)")
 
 
 def _natural(name: str) -> list[Any]:
-    return [int(p) if p.isdigit() else p for p in _DIGITS.split(name)]
+    # A run of digits orders as its number (its length without leading zeros, then its
+    # digits): never converted, so a name's 5000-digit run costs nothing.
+    return [(len(p.lstrip("0")), p.lstrip("0")) if i % 2 else p
+            for i, p in enumerate(_DIGITS.split(name))]  # fmt: skip
 
 
 def _layer_label(name: str) -> str:

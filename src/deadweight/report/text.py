@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import re
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from deadweight.findings import Finding, Severity
+from deadweight.homologous import MAX_INDEX_DIGITS
 from deadweight.report.display import safe_text
 
 if TYPE_CHECKING:  # report/__init__.py imports this module lazily
@@ -22,7 +23,13 @@ if TYPE_CHECKING:  # report/__init__.py imports this module lazily
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 _MAX_NAMES = 8
 _MAX_NESTED = 2  # per-parameter evidence shown in the terminal; JSON has it all
+# Items of a list shown in the terminal (the first ones and the last): a trend over 10,000
+# saves put every value and step in its finding, 1,800 lines of them.
+_MAX_ITEMS = 8
 PLAIN_WIDTH = 100  # columns of `str(report)` outside a notebook
+# Findings drawn as panels in the terminal; the rest are counted by code on one line. Rich
+# draws a panel in about 2.5 ms: 10,000 of them took 25-50 s, and nobody reads them there.
+MAX_PANELS = 200
 
 
 def render(report: Report, console: Console | None = None) -> None:
@@ -30,15 +37,25 @@ def render(report: Report, console: Console | None = None) -> None:
     # columns); a kernel rich does not recognise would get 80 columns of plain text.
     console = console or Console(force_jupyter=True if in_notebook() else None)
     console.print(_header(report))
+    panels = 0
     for title, findings in sections(report):
         if title is not None:  # the note in it is safe_text already
             console.print(Text(safe_text(title, keep_newlines=True), style="bold"))
+        unshown: Counter[str] = Counter()
         for finding in findings:
             if finding.location is not None and finding.location.column is not None:
                 # source findings print like compiler diagnostics so editors can jump to them
                 console.print(diagnostic_line(finding), soft_wrap=True)
-            else:
+            elif panels < MAX_PANELS:
                 console.print(_finding_panel(finding))
+                panels += 1
+            else:
+                unshown[finding.code] += 1
+        if unshown:
+            counts = ", ".join(f"{code} x{n}" for code, n in sorted(unshown.items()))
+            console.print(Text(
+                safe_text(f"… and {unshown.total()} more finding(s) not drawn here ({counts}); "
+                          "--format json lists every one"), style="bold"))  # fmt: skip
     console.print(_footer(report))
 
 
@@ -195,6 +212,10 @@ def _short(value: object, depth: int = 0) -> str:
         more = f", … {len(items) - limit} more in --format json" if len(items) > limit else ""
         return "{" + shown + more + "}"
     if isinstance(value, (list, tuple)):
+        if len(value) > _MAX_ITEMS:
+            head = [_short(v, depth + 1) for v in value[: _MAX_ITEMS - 2]]
+            tail = _short(value[-1], depth + 1)
+            return f"[{', '.join(head)}, …, {tail}] ({len(value)} in all)"
         return "[" + ", ".join(_short(v, depth + 1) for v in value) + "]"
     return str(value)
 
@@ -239,7 +260,10 @@ def detector_notes(report: Report) -> list[str]:
     ]
 
 
-_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)")
+# A layer index, as homologous.layer_key reads one (a longer number is part of a name).
+_NUMBER = re.compile(
+    rf"(?<=\.)[0-9]{{1,{MAX_INDEX_DIGITS}}}(?=\.)|^[0-9]{{1,{MAX_INDEX_DIGITS}}}(?=\.)"
+)
 
 
 def compress_names(names: tuple[str, ...] | list[str], limit: int = _MAX_NAMES) -> str:

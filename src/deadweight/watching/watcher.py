@@ -33,6 +33,7 @@ from deadweight import owners, wrappers
 from deadweight.config import ConfigLike, Settings, settings_for
 from deadweight.distributed import ranks as distributed
 from deadweight.distributed.replicas import ReplicaCheck
+from deadweight.errors import InputError
 from deadweight.report import Report
 from deadweight.thresholds import Thresholds, using
 from deadweight.watching import scaler_steps, zero_partitions
@@ -112,6 +113,9 @@ class Watch:
 
     # The project's select/ignore and thresholds its reports use (`watch(config=...)`).
     settings: Settings = Settings()
+    # Append to the log instead of replacing it: `deadweight run`'s process continuing,
+    # after os.execv, the log its earlier image wrote.
+    log_append: bool = False
 
     def __init__(
         self,
@@ -535,10 +539,10 @@ class Watch:
             return
         pending, self._pending = self._pending, None
         try:
-            self._writer = LogWriter(self.log_path)
+            self._writer = LogWriter(self.log_path, append=self.log_append)
             for event in pending:
                 self._writer.write(event)
-        except OSError as exc:
+        except (OSError, InputError) as exc:  # InputError: a path no log may be written to
             self._error("log", exc)
             self._writer = None
 

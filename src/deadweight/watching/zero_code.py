@@ -8,10 +8,11 @@ that never steps writes nothing. Under torchrun every rank but 0 writes to
 `LOG.rank{N}.jsonl`; any other process that steps after the first one claimed the
 log (a script started by the script) writes to `LOG.pid{N}.jsonl`.
 
-`deadweight run` has created (and locks) the main log itself. A rank or pid log is
-created only where no file is, or over a log of this same run (the `run_id` of its
-start event, from `DEADWEIGHT_RUN_ID`): a file of the user's that happens to have such
-a name is never overwritten; that process then writes no log and says so.
+`deadweight run` has claimed (and locks) the main log itself. A rank or pid log is
+created only where no file is, or over a deadweight log: one of this same run (the
+`run_id` of its start event, from `DEADWEIGHT_RUN_ID`) or an earlier run's that no live
+run holds. A file of the user's that happens to have such a name is never overwritten;
+that process then writes no log and says so.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def claim_log_path(path: str) -> str:
 
 def may_write(path: str, main: str, run_id: str | None) -> bool:
     """Whether this process may (over)write `path`: the main log, which `deadweight run`
-    created for this run; a new file, created here and now; or a log of this run."""
+    claimed for this run; a new file, created here and now; a log of this run; or an
+    earlier run's log that no live run holds (the script has started: it is replaced)."""
     if os.path.abspath(path) == os.path.abspath(main):
         return True
     try:
@@ -66,7 +68,32 @@ def may_write(path: str, main: str, run_id: str | None) -> bool:
     except OSError:
         return True  # the writer reports why it cannot write there
     start = read_start(path)
-    return start is not None and run_id is not None and start.get("run_id") == run_id
+    if start is None:
+        return False  # not a deadweight log: the user's file
+    if run_id is not None and start.get("run_id") == run_id:
+        return True
+    return not _held_by_a_live_run(path)
+
+
+def _held_by_a_live_run(path: str) -> bool:
+    """Whether a running `deadweight run` holds `path` as its main log (it is locked)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no locks, so none held
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return True  # cannot tell: leave it alone
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # a file system without locks
+    finally:
+        os.close(fd)  # releases the probe's lock
+    return False
 
 
 def start(how: str = "import torch") -> None:
@@ -95,6 +122,15 @@ def start(how: str = "import torch") -> None:
                 for event in self._pending:
                     if event.get("event") == "start" and run_id is not None:
                         event["run_id"] = run_id
+                # This run's log started by this very process: an earlier image of it,
+                # replaced by os.execv. Its events are kept; this image's follow them as
+                # a run of their own (the report reads the last, the page shows each).
+                earlier = read_start(self.log_path) or {}
+                self.log_append = (
+                    run_id is not None
+                    and earlier.get("run_id") == run_id
+                    and (earlier.get("pid") == os.getpid())
+                )
             super()._open_log()
 
     config = MonitorConfig(

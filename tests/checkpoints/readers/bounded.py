@@ -13,9 +13,14 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
+from tests.cli_runner import BOUND_MB, BOUND_SECONDS
+
+__all__ = ["BOUND_MB", "BOUND_SECONDS", "READ_ALL", "Outcome", "run_bounded"]
+
 # What each child reports on its last line of stdout.
 _PRELUDE = """
-import json, resource, sys
+import json, resource, sys, time
+_started = time.monotonic()
 from deadweight.checkpoints.readers import CheckpointError, open_checkpoint
 
 def _vm_bytes():
@@ -33,6 +38,7 @@ except BaseException as exc:  # what the test is looking for: anything else
 # VmHWM, not ru_maxrss: on Linux ru_maxrss carries the forking parent's peak across exec.
 with open("/proc/self/status") as fh:
     outcome["maxrss_kb"] = next(int(l.split()[1]) for l in fh if l.startswith("VmHWM:"))
+outcome["seconds"] = time.monotonic() - _started
 print(json.dumps(outcome))
 """
 
@@ -51,6 +57,8 @@ class Outcome:
     other: str | None  # any other exception: a bug
     maxrss_mb: float
     returncode: int
+    seconds: float  # in the child, imports included
+    extra: dict[str, object]  # what the body put in `outcome` besides the above
 
 
 def run_bounded(
@@ -66,4 +74,13 @@ def run_bounded(
     lines = done.stdout.strip().splitlines()
     assert lines, f"the child printed nothing (rc {done.returncode}): {done.stderr[-2000:]}"
     report = json.loads(lines[-1])
-    return Outcome(report["error"], report["other"], report["maxrss_kb"] / 1024, done.returncode)
+    known = {"error", "other", "maxrss_kb", "seconds"}
+    extra = {k: v for k, v in report.items() if k not in known}
+    return Outcome(
+        report["error"],
+        report["other"],
+        report["maxrss_kb"] / 1024,
+        done.returncode,
+        report["seconds"],
+        extra,
+    )

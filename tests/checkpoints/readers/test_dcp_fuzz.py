@@ -4,6 +4,7 @@ either pickle and without leaving the directory."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import tempfile
 import time
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 from deadweight.checkpoints.readers import CheckpointError, open_checkpoint
 from deadweight.checkpoints.readers.torch_file import UnmeasuredEntry
+from tests.checkpoints.readers.bounded import run_bounded
 from tests.fuzzing import FUZZ, byte_edits, fuzz, mutate
 
 pytestmark = fuzz
@@ -89,3 +91,51 @@ def torch_saved_evil() -> bytes:
     buffer = io.BytesIO()
     torch.save(Payload(), buffer)
     return buffer.getvalue()
+
+
+class _ShowsOneNameOpensAnother:
+    """A path object whose cached string is an in-folder shard name while its parts, which
+    DCP would join and open, name `target` (issue 33, case 1)."""
+
+    def __init__(self, shown: str, target: str) -> None:
+        self.shown, self.target = shown, target
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (Path().__class__, (self.target,), (None, {"_str": self.shown}))
+
+
+def _metadata_pointing_at(tmp: Path, target: str) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.arange(6.0)}, checkpoint_id=str(tmp / "evil"), no_dist=True)
+    metadata = pickle.loads((tmp / "evil" / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = _ShowsOneNameOpensAnother(str(info.relative_path), target)
+    (tmp / "evil" / ".metadata").write_bytes(pickle.dumps(metadata))
+    return tmp / "evil"
+
+
+def test_a_path_object_in_the_metadata_cannot_read_outside(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.full((6,), 42.0)}, checkpoint_id=str(tmp_path / "out"), no_dist=True)
+    (shard,) = (tmp_path / "out").glob("*.distcp")
+    evil = _metadata_pointing_at(tmp_path, str(shard))
+    outcome = run_bounded(
+        str(evil),
+        "with open_checkpoint(PATH) as ckpt:\n"
+        "    (entry,) = ckpt.entries()\n"
+        "    outcome['values'] = ckpt.array(entry).tolist()",
+        timeout=SECONDS * 3,
+    )
+    assert outcome.other is None
+    # The str the pickle shows is what is read: the shard inside the directory, never 42s.
+    assert outcome.error is None and outcome.extra["values"] == list(range(6))
+
+
+def test_a_path_object_in_the_metadata_cannot_open_a_fifo_outside(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    evil = _metadata_pointing_at(tmp_path, str(fifo))
+    outcome = run_bounded(str(evil), timeout=SECONDS * 3)  # a hang raises TimeoutExpired
+    assert outcome.other is None and outcome.error is None

@@ -47,6 +47,8 @@ QUOTED_CHARS = 80
 # format here can store (safetensors reads them as u64), has 20 digits. Python's own limit
 # (4300 digits) still lets a header of 1000 such integers take minutes to multiply out.
 MAX_INT_DIGITS = 20
+# Linux's PATH_MAX: no longer name can be opened, so none is worth resolving.
+MAX_PATH_CHARS = 4096
 # Exceptions that are not a file's fault: an interrupt, an exit, a generator being closed.
 PASS_THROUGH = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
@@ -128,6 +130,48 @@ def open_regular(path: str) -> IO[bytes]:
         raise
 
 
+def plain_path(named: object) -> str | None:
+    """`named`, a path that came out of a file, as a plain str; None when it is none.
+
+    A pickle can hold any object where a path belongs, a pathlib object whose cached
+    string is not its path among them: what the caller checks and then opens must be
+    this str, never the object."""
+    text = os.fspath(named) if isinstance(named, (str, os.PathLike)) else None
+    if type(text) is not str or not text or "\0" in text:
+        return None
+    return text
+
+
+def inside_folder(folder: str, name: str) -> str | None:
+    """`name` joined to `folder` when the file it names stays inside the folder, else None.
+
+    Refused: an absolute path, a `..`, and a name that resolves (every symbolic link on
+    the way followed) outside the folder or to the folder itself, and one longer than
+    any path the system opens (resolving a name of a million parts would take seconds)."""
+    if (
+        len(name) > MAX_PATH_CHARS
+        or os.path.isabs(name)
+        or ".." in name.replace("\\", "/").split("/")
+    ):
+        return None
+    root = os.path.realpath(folder)
+    joined = os.path.join(folder, name)
+    resolved = os.path.realpath(joined)
+    if resolved == root or os.path.commonpath([root, resolved]) != root:
+        return None
+    return joined
+
+
+def physical_file(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file `path` names, links followed: one key however many
+    names lead to it; None when it cannot be had."""
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return info.st_dev, info.st_ino
+
+
 def not_regular(mode: int) -> str:
     kind = (
         "a FIFO"
@@ -162,11 +206,20 @@ class TensorEntry:
         return n
 
 
+@dataclass(frozen=True, slots=True)
+class StorageOrderEntry(TensorEntry):
+    """A tensor whose chunks come in the order its file stores the elements, not in C
+    order: a Fortran-order `.npz` member too large to reorder in memory. Statistics over
+    all its elements hold; what depends on positions (quantization blocks, an element-wise
+    comparison with a C-order tensor) is not measured."""
+
+
 @runtime_checkable
 class Checkpoint(Protocol):
     """What `open_checkpoint` returns, whatever the format.
 
-    `chunks()` yields the tensor flat in C order, in consecutive arrays of at most about
+    `chunks()` yields the tensor flat in C order (a `StorageOrderEntry`'s in the order its
+    file stores them), in consecutive arrays of at most about
     `max_bytes` of output. A chunk may be a view of a buffer the reader reuses for the next
     one: use it (reduce it) before asking for the next, or copy it.
     """

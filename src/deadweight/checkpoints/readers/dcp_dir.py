@@ -11,7 +11,8 @@ allow-list refuses (and a note says its pickle ran). Tensors in the shards are a
 with torch's `weights_only` unpickler.
 
 Every path the metadata names stays inside the directory (same policy as a sharded index:
-no absolute paths, no `..`, and no symlink that resolves outside), and no tensor is given
+no absolute paths, no `..`, and no symlink that resolves outside; any object the pickle puts
+there is reduced to a plain str first, and DCP is given that str), and no tensor is given
 more memory than its shards store: a hostile `.metadata` can claim any shape.
 """
 
@@ -33,6 +34,9 @@ from deadweight.checkpoints.readers.base import (
     CheckpointError,
     ReaderBase,
     TensorEntry,
+    inside_folder,
+    plain_path,
+    shorten,
 )
 from deadweight.checkpoints.readers.notes import note
 from deadweight.checkpoints.readers.torch_file import (
@@ -80,22 +84,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def inside(directory: str, relative: object) -> str | None:
-    """`relative` joined to `directory` if it names a file in it (symlinks resolved), else None."""
-    if not isinstance(relative, (str, os.PathLike)):
-        return None
-    name = os.fspath(relative)
-    if not isinstance(name, str) or not name or "\0" in name:
-        return None
-    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
-        return None
-    root = os.path.realpath(directory)
-    resolved = os.path.realpath(os.path.join(directory, name))
-    if os.path.commonpath([root, resolved]) != root or resolved == root:
-        return None
-    return os.path.join(directory, name)
-
-
 _REFUSAL = (
     "the DCP .metadata pickle references {}, which is not a DCP metadata type; loading it "
     "could run arbitrary code. Re-save the checkpoint with torch.distributed.checkpoint, or "
@@ -105,7 +93,7 @@ _REFUSAL = (
 
 def read_metadata(path: str, *, unsafe_pickle: bool, notes: list[str] | None = None) -> Any:
     metadata_path = os.path.join(path, ".metadata")
-    if inside(path, ".metadata") is None or not os.path.isfile(metadata_path):
+    if inside_folder(path, ".metadata") is None or not os.path.isfile(metadata_path):
         raise CheckpointError(path, "the .metadata file is not a regular file inside the directory")
     try:
         with open(metadata_path, "rb") as fh:
@@ -223,7 +211,13 @@ class DcpDirectory(ReaderBase):
     def _stored_bytes(self, metadata: Any) -> tuple[dict[str, int | None], list[str]]:
         """Bytes the shards store per tensor (None where a transform, e.g. compression, makes
         the stored size no bound on the tensor's), and every path that is not a regular file
-        inside the directory."""
+        inside the directory.
+
+        The shard table is rebuilt from plain values: each path the pickle holds is reduced
+        to a str, checked, and that str is what DCP is given to open (a pathlib object in a
+        hostile pickle can show one name and open another)."""
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
         storage = getattr(metadata, "storage_data", None) or {}
         if not isinstance(storage, dict):
             raise CheckpointError(self.path, "the .metadata has no table of shard files")
@@ -232,27 +226,38 @@ class DcpDirectory(ReaderBase):
         missing: set[str] = set()
         checked: dict[str, str | None] = {}
         sizes: dict[str, int] = {}
+        rebuilt: dict[Any, Any] = {}
         for index, info in storage.items():
-            relative = info.relative_path
-            text = str(relative)
+            text = plain_path(getattr(info, "relative_path", None))
+            if text is None:
+                escaping.add(f"a {type(getattr(info, 'relative_path', None)).__name__}, not a path")
+                continue
             if text not in checked:
-                checked[text] = inside(self.path, relative)
+                checked[text] = inside_folder(self.path, text)
             shard = checked[text]
             if shard is None:
-                escaping.add(text[:200])
+                escaping.add(shorten(text, 200))
             elif not os.path.isfile(shard):
-                missing.add(text[:200])
+                missing.add(shorten(text, 200))
             fqn = getattr(index, "fqn", None)
-            length, offset = info.length, info.offset
-            if not (isinstance(fqn, str) and isinstance(length, int) and isinstance(offset, int)):
+            length, offset = getattr(info, "length", None), getattr(info, "offset", None)
+            transforms = getattr(info, "transform_descriptors", None)
+            if not (
+                isinstance(fqn, str)
+                and type(length) is int
+                and type(offset) is int
+                and (transforms is None or isinstance(transforms, (list, tuple)))
+            ):
                 raise CheckpointError(self.path, "the .metadata's shard table is malformed")
+            rebuilt[index] = _StorageInfo(text, offset, length, transforms)
             # What the file holds there, whatever the metadata claims.
             size = sizes.setdefault(shard, _file_size(shard)) if shard is not None else 0
             length = max(0, min(length, size - offset)) if offset >= 0 else 0
-            if info.transform_descriptors:
+            if transforms:
                 stored[fqn] = None
             elif fqn not in stored or stored[fqn] is not None:
                 stored[fqn] = (stored.get(fqn) or 0) + length
+        metadata.storage_data = rebuilt
         problems = []
         if escaping:
             problems.append(
@@ -261,7 +266,7 @@ class DcpDirectory(ReaderBase):
             )
         if missing:
             problems.append(
-                f"shard file(s) missing from the DCP directory: {', '.join(sorted(missing))}"
+                f"shard file(s) missing from the DCP directory: {', '.join(sorted(missing)[:5])}"
             )
         return stored, problems
 

@@ -3,7 +3,13 @@
 `np.load(allow_pickle=False)` would read each member whole (an npz member cannot be memory-mapped),
 so we read only each member's .npy header up front, with numpy's own format parser, and then
 stream its data through a reusable buffer: memory stays bounded whether the member is stored or
-deflated. Pickled (object) members are refused, as `allow_pickle=False` would.
+deflated. Pickled (object) members are refused, as `allow_pickle=False` would, and so is an
+archive where two members name one tensor (`a.npy` and `a`: numpy reads one of them).
+
+A Fortran-order member is reordered to C order in memory up to FORTRAN_IN_MEMORY_BYTES; a
+larger one is streamed as stored (a `StorageOrderEntry`: its statistics are exact, its
+quantization risk and an element-wise diff are not measured, and a note says so). Reordering
+it in bounded memory would take one pass over the deflated data per chunk of output.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from deadweight.checkpoints.readers.base import (
     PASS_THROUGH,
     CheckpointError,
     ReaderBase,
+    StorageOrderEntry,
     TensorEntry,
     elements_per_chunk,
     open_regular,
@@ -28,6 +35,7 @@ from deadweight.checkpoints.readers.base import (
     shorten,
     widen,
 )
+from deadweight.checkpoints.readers.notes import note
 
 
 def _read_npy_header(stream: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
@@ -37,6 +45,9 @@ def _read_npy_header(stream: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype
     return np.lib.format.read_array_header_2_0(stream)
 
 
+# The largest Fortran-order member reordered in memory (it is held twice meanwhile): the
+# readers' usual chunk.
+FORTRAN_IN_MEMORY_BYTES = DEFAULT_CHUNK_BYTES
 # deflate's largest compression ratio: a 258-byte match coded in about 2 bits, 1032:1. A
 # deflated member claiming more data than that per stored byte does not hold it.
 MAX_DEFLATE_RATIO = 1032
@@ -94,7 +105,23 @@ class NpzFile(ReaderBase):
         path = self.path
         problems: list[str] = []
         self._entries: list[TensorEntry] = []
-        self._members: dict[str, tuple[str, np.dtype[Any], bool]] = {}
+        self._members: dict[str, tuple[zipfile.ZipInfo, np.dtype[Any], bool]] = {}
+        self.notes: list[str] = []
+        holders: dict[str, list[str]] = {}  # tensor name -> the members that name it
+        for info in self._zip.infolist():
+            holders.setdefault(info.filename.removesuffix(".npy"), []).append(info.filename)
+        twice = {n: m for n, m in holders.items() if len(m) > 1}
+        if twice:
+            shown = [
+                f"{shorten(n)!r} ({' and '.join(shorten(x) for x in m[:3])})"
+                for n, m in list(twice.items())[:5]
+            ]
+            raise CheckpointError(
+                path,
+                f"{len(twice)} tensor name(s) are held by more than one member: "
+                f"{', '.join(shown)}; numpy would read only one of each, so which values "
+                "the archive holds is ambiguous (not an archive numpy writes)",
+            )
         for info in self._zip.infolist():
             if len(problems) >= MAX_LISTED_PROBLEMS:
                 problems.append("and more (the archive was read no further)")
@@ -138,8 +165,20 @@ class NpzFile(ReaderBase):
                 )
                 continue
             canonical = "bool" if dtype.kind == "b" else dtype.name
-            self._members[name] = (member, dtype, fortran)
-            self._entries.append(TensorEntry(name, checked, canonical, path, nbytes))
+            # A one-dimensional (or empty) array is the same in either order.
+            fortran = fortran and len(checked) > 1 and numel > 0
+            self._members[name] = (info, dtype, fortran)
+            if fortran and nbytes > FORTRAN_IN_MEMORY_BYTES:
+                text = (
+                    f"{path}: {label}: stored in Fortran order, {nbytes} bytes: its statistics "
+                    "are read as stored; its quantization risk and element-wise changes are "
+                    "not measured (save it with np.ascontiguousarray to have them)"
+                )
+                self.notes.append(text)
+                note(text)
+                self._entries.append(StorageOrderEntry(name, checked, canonical, path, nbytes))
+            else:
+                self._entries.append(TensorEntry(name, checked, canonical, path, nbytes))
         if problems:
             raise CheckpointError(path, "; ".join(problems))
 
@@ -152,7 +191,7 @@ class NpzFile(ReaderBase):
         member, dtype, fortran = self._members[entry.name]
         with self._zip.open(member) as stream:
             _read_npy_header(stream)
-            if fortran:
+            if fortran and not isinstance(entry, StorageOrderEntry):
                 # Fortran order on disk has no C-order prefix; one copy of the tensor is the
                 # price, read in pieces so that memory follows the bytes that really arrive.
                 data = np.frombuffer(_read_all(stream, entry.nbytes, self.path), dtype=dtype)

@@ -1,19 +1,21 @@
 """Sharded checkpoints: transformers' `*.index.json` ({"metadata": ..., "weight_map": {name: shard}}).
 
 The shards may be safetensors or torch files (`pytorch_model.bin.index.json`); each is opened by
-its own reader, and every tensor is read from the shard that holds it.
+its own reader, and every tensor is read from the shard that holds it. A shard must stay inside
+the index's folder, symbolic links resolved; one physical file named several ways (links,
+`./` prefixes) is opened and listed once.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from deadweight.bounded_json import containers as count_containers
 from deadweight.checkpoints.readers.base import (
     DEFAULT_CHUNK_BYTES,
     MAX_LISTED_PROBLEMS,
@@ -22,7 +24,9 @@ from deadweight.checkpoints.readers.base import (
     ReaderBase,
     TensorEntry,
     bounded_int,
+    inside_folder,
     open_regular,
+    physical_file,
     shorten,
 )
 
@@ -37,16 +41,25 @@ class ShardedCheckpoint(ReaderBase):
         folder = os.path.dirname(path)
         problems: list[str] = []
         self._shards: dict[str, Checkpoint] = {}
+        self._held_names: dict[str, set[str]] = {}
         try:
             by_shard: dict[str, list[str]] = {}
             for name, shard in weight_map.items():
                 by_shard.setdefault(shard, []).append(name)
+            # Every name of one physical file (links, `./` prefixes) is read as one shard.
+            opened: dict[tuple[int, int], str] = {}
+            # shard as the index names it -> the path its tensors are read from
+            self._read_from: dict[str, str] = {}
+            escaping: list[str] = []
             for shard, names in by_shard.items():
                 if len(problems) >= MAX_LISTED_PROBLEMS:
                     problems.append("and more (the other shards were not opened)")
                     break
-                shard_path = os.path.join(folder, shard)
                 label = shorten(shard)
+                shard_path = inside_folder(folder, shard)
+                if shard_path is None:
+                    escaping.append(label)
+                    continue
                 if shard.endswith(".json"):
                     # transformers never nests indexes; opening one from here could recurse
                     # (an index naming itself) and repeat its error at every level.
@@ -55,18 +68,23 @@ class ShardedCheckpoint(ReaderBase):
                         f"({len(names)} tensor(s) mapped to it, e.g. {shorten(names[0])})"
                     )
                     continue
-                if not os.path.isfile(shard_path):
+                key = physical_file(shard_path) if os.path.isfile(shard_path) else None
+                if key is None:
                     problems.append(
                         f"shard {label} is missing ({len(names)} tensor(s) mapped to it, e.g. {shorten(names[0])})"
                     )
                     continue
-                try:
-                    reader = open_shard(shard_path)
-                except CheckpointError as exc:
-                    problems.append(f"shard {label} is unreadable: {shorten(exc.problem, 300)}")
-                    continue
-                self._shards[shard_path] = reader
-                held = {e.name for e in reader.entries()}
+                if key not in opened:
+                    try:
+                        reader = open_shard(shard_path)
+                    except CheckpointError as exc:
+                        problems.append(f"shard {label} is unreadable: {shorten(exc.problem, 300)}")
+                        continue
+                    opened[key] = shard_path
+                    self._shards[shard_path] = reader
+                first = opened[key]
+                self._read_from[shard] = first
+                held = self._held(first)
                 absent = [n for n in names if n not in held]
                 if absent:
                     shown = ", ".join(shorten(n) for n in absent[:5]) + (
@@ -75,6 +93,13 @@ class ShardedCheckpoint(ReaderBase):
                     problems.append(
                         f"shard {label} does not hold {shown}, which the weight_map maps to it"
                     )
+            if escaping:
+                problems.insert(
+                    0,
+                    "the weight_map names shard files outside the index's directory (a path "
+                    f"or a symbolic link that leaves it): {', '.join(escaping[:5])}"
+                    + (f" and {len(escaping) - 5} more" if len(escaping) > 5 else ""),
+                )
             if problems:
                 raise CheckpointError(path, "; ".join(problems))
         except BaseException:
@@ -85,8 +110,14 @@ class ShardedCheckpoint(ReaderBase):
             e
             for shard_path, reader in self._shards.items()
             for e in reader.entries()
-            if e.name in weight_map and os.path.join(folder, weight_map[e.name]) == shard_path
+            if e.name in weight_map and self._read_from[weight_map[e.name]] == shard_path
         ]
+
+    def _held(self, shard_path: str) -> set[str]:
+        """The tensor names a shard holds, listed once however many names the shard has."""
+        if shard_path not in self._held_names:
+            self._held_names[shard_path] = {e.name for e in self._shards[shard_path].entries()}
+        return self._held_names[shard_path]
 
     def entries(self) -> list[TensorEntry]:
         return list(self._entries)
@@ -115,7 +146,6 @@ class ShardedCheckpoint(ReaderBase):
 MAX_INDEX_BYTES = 100_000_000
 # The most JSON objects and lists an index may hold: transformers writes three.
 MAX_INDEX_CONTAINERS = 1000
-_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
 
 
 def _read_weight_map(path: str) -> dict[str, str]:
@@ -126,20 +156,24 @@ def _read_weight_map(path: str) -> dict[str, str]:
                 path, f"is {size} bytes, over the {MAX_INDEX_BYTES} an index can be (not an index?)"
             )
         raw = fh.read(MAX_INDEX_BYTES + 1)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(
+            path, f"the index is not valid JSON ({shorten(str(exc), 200)})"
+        ) from None
     # An index is an object holding two: metadata and weight_map. Decoding a list of a million
     # empty objects would take 24 times its size, so count the containers first (outside
-    # strings, at the speed of a regex) and refuse a file of thousands.
-    skeleton = _STRING.sub(b'""', raw)
-    containers = skeleton.count(b"{") + skeleton.count(b"[")
+    # strings, in one pass) and refuse a file of thousands.
+    containers = count_containers(text)
     if containers > MAX_INDEX_CONTAINERS:
         raise CheckpointError(
             path,
             f"holds {containers} JSON objects and lists; an index holds a few (not an index?)",
         )
-    del skeleton
     try:
         # parse_int: no integer of thousands of digits to convert (quadratic in its length).
-        index: Any = json.loads(raw.decode("utf-8"), parse_int=bounded_int)
+        index: Any = json.loads(text, parse_int=bounded_int)
     except (ValueError, RecursionError) as exc:
         raise CheckpointError(
             path, f"the index is not valid JSON ({shorten(str(exc), 200)})"
@@ -151,17 +185,5 @@ def _read_weight_map(path: str) -> dict[str, str]:
         raise CheckpointError(
             path,
             'the index has no "weight_map" object of tensor name -> shard file (not a sharded checkpoint index?)',
-        )
-    escaping = sorted(
-        {
-            v
-            for v in weight_map.values()
-            if os.path.isabs(v) or ".." in v.replace("\\", "/").split("/")
-        }
-    )
-    if escaping:
-        raise CheckpointError(
-            path,
-            f"the weight_map names shard files outside the index's directory: {', '.join(shorten(e) for e in escaping[:5])}",
         )
     return weight_map
