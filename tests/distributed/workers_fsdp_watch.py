@@ -268,11 +268,10 @@ class WeakBranch(nn.Module):
 
 
 def healthy_check(rank: int, world: int) -> dict[str, Any]:
-    """No parameter the loss ignores; the weak branch is probed and found to matter.
+    """No parameter the loss ignores; the weak branch is proven to reach the loss.
 
     `branch` is left in the root's FSDP2 group, which a forward under no_grad leaves
-    gathered: a probe that did not reshard it would re-use the x10 copy for the x100
-    point and call the branch invariant.
+    gathered: the structure pass must follow it through the root's unsharded copy.
     """
     torch.manual_seed(0)
     model = WeakBranch()
