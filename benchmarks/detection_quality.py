@@ -623,11 +623,27 @@ def single_process_group() -> None:
         dist.init_process_group("gloo", rank=0, world_size=1)
 
 
+def _runs_in_fp32(case: Case) -> bool:
+    try:
+        build_case(Case(**{**asdict(case), "dtype": "fp32"}))
+    except Exception:
+        return False
+    return True
+
+
 def run_recall_case(case: Case) -> dict[str, Any]:
     row: dict[str, Any] = {"id": case.id, **asdict(case), "status": "ok"}
     try:
         built = build_case(case)
         row["truth_residual_fp64"] = built.truth_residual
+    except Exception as exc:
+        row.update(status="error", error=short_error(exc), traceback=traceback.format_exc())
+        if case.dtype != "fp32" and _runs_in_fp32(case):
+            # the model itself cannot run in this dtype (BatchNorm's fp32 running
+            # statistics against FSDP2's bf16 parameters): not deadweight's to judge
+            row["status"] = "unsupported"
+        return row
+    try:
         optimizer = make_optimizer(built.model, built.planted)
         start = time.perf_counter()
         report = deadweight.check(built.model, built.loss_fn, optimizer)
@@ -1213,12 +1229,30 @@ def grads_none_after_backward(model: nn.Module, inputs: dict[str, Any]) -> set[s
     return {n for n, p in twin.named_parameters() if p.requires_grad and p.grad is None}
 
 
-def run_arch(arch: Arch) -> dict[str, Any]:
+FLOAT_INPUTS = ("pixel_values", "input_features", "input_values")
+
+
+def arch_in_dtype(
+    model: nn.Module, inputs: dict[str, Any], dtype: str
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The stock model as the dtype case trains it; float inputs cast with it."""
+    if dtype in PARAM_DTYPES:
+        cast = {
+            k: v.to(PARAM_DTYPES[dtype]) if k in FLOAT_INPUTS and torch.is_tensor(v) else v
+            for k, v in inputs.items()
+        }
+        return model.to(PARAM_DTYPES[dtype]), cast
+    model, _ = in_dtype(model, torch.empty(0), dtype)
+    return model, inputs
+
+
+def run_arch(arch: Arch, dtype: str = "fp32") -> dict[str, Any]:
     row: dict[str, Any] = {
         "arch": arch.name,
         "family": arch.family,
         "model": arch.model_cls,
         "note": arch.note,
+        "dtype": dtype,
         "status": "ok",
     }
     try:
@@ -1235,8 +1269,22 @@ def run_arch(arch: Arch) -> dict[str, Any]:
     except Exception as exc:
         row.update(status="run error", error=short_error(exc), traceback=traceback.format_exc())
         return row
+    try:
+        model, inputs = arch_in_dtype(model, inputs, dtype)
+        with torch.no_grad():
+            torch.manual_seed(1234)
+            model(**inputs)
+        reshard = getattr(model, "reshard", None)
+        if callable(reshard):  # FSDP2 keeps a root gathered after a no_grad forward
+            reshard()
+    except Exception as exc:  # the model itself cannot run in this dtype
+        row.update(status="unsupported", error=short_error(exc))
+        return row
 
     def loss_fn() -> torch.Tensor:
+        if dtype == "bf16_autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(**inputs).loss.float()
         return model(**inputs).loss
 
     try:
@@ -1615,7 +1663,7 @@ def recall_row(label: str, rows: Sequence[dict[str, Any]]) -> list[Any]:
     return [
         label,
         len(rows),
-        len(rows) - len(ran),
+        sum(1 for r in rows if r["status"] == "error"),
         pct(len(found), len(ran)),
         pct(len(warn), len(ran)),
         pct(len(info), len(ran)),
@@ -1705,14 +1753,22 @@ def print_recall(rows: Sequence[dict[str, Any]]) -> None:
     by_param = Counter((r["placement"], p) for r in other for p in r["other_at_warning"])
     for (placement, p), n in by_param.most_common(15):
         print(f"  ({placement}) {p}: {n} case(s)")
-    errors = [r for r in rows if r["status"] != "ok"]
+    unsupported = [r for r in rows if r["status"] == "unsupported"]
+    if unsupported:
+        print()
+        print_id_list(
+            "cases the model itself cannot run in their dtype (not counted)",
+            [f"{r['id']}: {r['error']}" for r in unsupported],
+        )
+    errors = [r for r in rows if r["status"] == "error"]
     if errors:
         print()
         print_id_list("error cases", [f"{r['id']}: {r['error']}" for r in errors])
 
 
-def print_precision(rows: Sequence[dict[str, Any]]) -> None:
+def print_precision(all_rows: Sequence[dict[str, Any]]) -> None:
     print("\n== Part 2: precision on stock transformers architectures (train mode, own loss) ==")
+    rows = [r for r in all_rows if r.get("dtype", "fp32") == "fp32"] or list(all_rows)
     having = [r["arch"] for r in rows if r.get("layerdrop", {}).get("present")]
     nonzero = [
         f"{r['arch']} ({', '.join(r['layerdrop']['nonzero_default'])})"
@@ -1733,32 +1789,62 @@ def print_precision(rows: Sequence[dict[str, Any]]) -> None:
         info = " ".join(f"{c}x{n}" for c, n in r["info_codes"]) or "-"
         match = "yes" if r["dw101_match"] else "NO"
         out.append([r["arch"], r["family"], r["warnings"], codes, r["infos"], info, match])
+    print(f"\n{rows[0].get('dtype', 'fp32') if rows else 'fp32'}:")
     print(
         table(
             ("arch", "family", "warnings", "warning codes", "infos", "info codes", "DW101 = truth"),
             out,
         )
     )
-    ok = [r for r in rows if r["status"] == "ok"]
-    warned = [r for r in ok if r["warnings"]]
+    by_dtype: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in all_rows:
+        by_dtype[r.get("dtype", "fp32")].append(r)
+    summary = []
+    for dtype in [d for d in DTYPES if d in by_dtype]:
+        group = by_dtype[dtype]
+        ok = [r for r in group if r["status"] == "ok"]
+        summary.append(
+            [
+                dtype,
+                len(ok),
+                sum(1 for r in group if r["status"] == "unsupported"),
+                sum(1 for r in group if r["status"] not in ("ok", "unsupported")),
+                sum(1 for r in ok if r["warnings"]),
+                sum(r["infos"] for r in ok),
+                f"{sum(1 for r in ok if r['dw101_match'])}/{len(ok)}",
+            ]
+        )
+    print("\nby dtype (the model itself failing in a dtype is 'unsupported', not counted):")
     print(
-        f"\narchitectures with >= 1 warning (other than DW101/DW102): {len(warned)} of {len(ok)} "
-        f"that ran ({len(rows) - len(ok)} could not run)"
+        table(
+            (
+                "dtype",
+                "ran",
+                "unsupported",
+                "check errors",
+                "with >= 1 warning",
+                "infos",
+                "DW101 = truth",
+            ),
+            summary,
+        )
     )
-    for r in warned:
-        params = r["warning_params"]
-        shown = ", ".join(params[:8]) + (f" and {len(params) - 8} more" if len(params) > 8 else "")
-        print(f"  {r['arch']}: {shown}")
-    mism = [r for r in ok if not r["dw101_match"]]
-    print(f"DW101 mismatches with the p.grad-is-None ground truth: {len(mism)} of {len(ok)}")
-    for r in mism:
-        print(f"  {r['arch']}: missing {r['dw101_missing']} extra {r['dw101_extra']}")
-    truth = [r for r in ok if r["grad_none_truth"]]
-    for r in truth:
-        print(f"  (ground truth non-empty) {r['arch']}: {r['grad_none_truth']}")
-    for r in rows:
-        if r["status"] != "ok":
-            print(f"  {r['arch']}: {r['status']}: {r['error']}")
+    for dtype, group in by_dtype.items():
+        ok = [r for r in group if r["status"] == "ok"]
+        for r in [r for r in ok if r["warnings"]]:
+            params = r["warning_params"]
+            shown = ", ".join(params[:8]) + (f" and {len(params) - 8} more" if len(params) > 8 else "")
+            codes = " ".join(f"{c}x{n}" for c, n in r["warning_codes"])
+            print(f"  {dtype} {r['arch']} ({codes}): {shown}")
+        for r in [r for r in ok if not r["dw101_match"]]:
+            print(
+                f"  {dtype} {r['arch']}: DW101 missing {r['dw101_missing']} extra {r['dw101_extra']}"
+            )
+        for r in [r for r in ok if r["grad_none_truth"]]:
+            print(f"  {dtype} (ground truth non-empty) {r['arch']}: {r['grad_none_truth']}")
+        for r in group:
+            if r["status"] != "ok":
+                print(f"  {dtype} {r['arch']}: {r['status']}: {r['error']}")
 
 
 def print_seeds(results: Sequence[SeedResult]) -> None:
@@ -1816,7 +1902,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=",".join(DTYPES),
         help=f"recall cases in these dtypes only (comma-separated; default all: {','.join(DTYPES)})",
     )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="FIELD=V1,V2",
+        help="recall cases whose FIELD (placement, norm, eps, width, loss, seed) is one of the "
+        "values; repeatable, e.g. --only norm=layernorm,llama_rmsnorm --only width=8,64",
+    )
     args = parser.parse_args(argv)
+    only: dict[str, set[str]] = {}
+    for item in args.only:
+        field_name, _, values = item.partition("=")
+        if field_name not in ("placement", "norm", "eps", "width", "loss", "seed") or not values:
+            parser.error(f"--only {item!r}: expected FIELD=V1,V2 with FIELD one of placement, "
+                         "norm, eps, width, loss, seed")  # fmt: skip
+        only[field_name] = set(values.split(","))
     dtypes = set(args.dtypes.split(","))
     if not dtypes <= set(DTYPES):
         parser.error(f"--dtypes: unknown {', '.join(sorted(dtypes - set(DTYPES)))}")
@@ -1852,7 +1953,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.part in ("recall", "all"):
         t0 = time.perf_counter()
-        cases = [c for c in all_cases() if c.dtype in dtypes]
+        cases = [
+            c
+            for c in all_cases()
+            if c.dtype in dtypes
+            and all(
+                (f"{getattr(c, k):g}" if k == "eps" and getattr(c, k) is not None
+                 else str(getattr(c, k))) in v
+                for k, v in only.items()
+            )
+        ]  # fmt: skip
         chosen = quick_cases(cases, args.quick_cases) if args.quick else cases
         print(f"\nrecall: {len(chosen)} of {len(cases)} cases", file=sys.stderr)
         rows = []
@@ -1869,9 +1979,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         archs = ARCHS  # all of them in --quick too: at 2 layers even width 768 is quick
         rows = []
-        for arch in archs:
-            print(f"  precision: {arch.name}", file=sys.stderr)
-            rows.append(run_arch(arch))
+        for dtype in [d for d in DTYPES if d in dtypes]:
+            for arch in archs:
+                print(f"  precision: {arch.name} {dtype}", file=sys.stderr)
+                rows.append(run_arch(arch, dtype))
         out["precision"] = rows
         print_precision(rows)
         first = []

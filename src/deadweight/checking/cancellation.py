@@ -532,11 +532,11 @@ def _first_shape(ctx: _Call) -> tuple[list[int], list[int]] | None:
 
 
 def _rule_same(ctx: _Call) -> Carrier:
-    """Elementwise, values kept (dtype casts, clone, contiguous)."""
+    """Elementwise, values kept (dtype casts, clone, contiguous). A tensor among the
+    other arguments (`x.type_as(y)`, `x.to(y)`) lends only its dtype and device: its
+    values, and the parameters behind them, do not reach the output (Gemma's RMSNorm
+    casts back with `output.type_as(x)`, x the normalized input itself)."""
     c = ctx.c(ctx.args[0]) if ctx.args else _EMPTY
-    others = [ctx.c(v) for v in list(_flat(ctx.args[1:], ctx.kwargs))]
-    if any(o.lost or o.pure or o.partial for o in others):
-        return _general([c, *others])
     shapes = _first_shape(ctx)
     if shapes is None or shapes[0] != shapes[1]:
         return _general([c])

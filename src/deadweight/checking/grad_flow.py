@@ -8,6 +8,7 @@ the rules.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -24,6 +25,7 @@ from deadweight.checking import cancellation, invariance, sharded_flow
 from deadweight.checking import gates as gates_module
 from deadweight.checking.cancellation import StructureTracker
 from deadweight.checking.check_stats import (
+    FLOAT32_EPS,
     Cancellation,
     Cut,
     GradFlowStats,
@@ -262,7 +264,7 @@ def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probe
     together (`sharded_flow`)."""
     loss = traced.loss
     value = float(loss.detach().float().item())
-    loss_eps = float(torch.finfo(loss.dtype).eps) if loss.is_floating_point() else 0.0
+    loss_eps = _screen_eps(loss)
     rerun = invariance.rerun_of(run.loss_fn, guard)
     capturing = _capturing_rerun(run.loss_fn, guard)
     agree: cancellation.Agree | None = None
@@ -289,6 +291,21 @@ def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probe
         run.structure, loss, with_grad, stats, capturing, value, runnable, agree
     )
     screened = [(n, p) for n, p in with_grad if n in structural.unstructured]
+    if screened and _half(loss):
+        structural = dataclasses.replace(
+            structural,
+            note="; ".join(
+                n
+                for n in (
+                    structural.note,
+                    f"{len(screened)} parameter(s) reach the {str(loss.dtype).removeprefix('torch.')} "
+                    "loss through ops deadweight cannot see into: their numerical screens are "
+                    "judged at float32's resolution, so a cancellation there can go unseen; "
+                    "check once with the model in float32 to be sure",
+                )
+                if n
+            ),
+        )
     if run.shards is not None:
         probes, note = sharded_flow.screens(screened, stats, value, loss_eps, rerun, runnable)
         gated: dict[str, tuple[str, ...]] = {}  # the gates' walk reads local gradients
@@ -296,6 +313,23 @@ def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probe
         probes, note = invariance.probe(screened, stats, value, loss_eps, rerun, runnable)
         gated = _gates_at_init(loss, with_grad, stats)
     return _Probed(value, loss_eps, stats, probes, note, structural, gated)
+
+
+def _half(loss: torch.Tensor) -> bool:
+    return loss.dtype in (torch.float16, torch.bfloat16)
+
+
+def _screen_eps(loss: torch.Tensor) -> float:
+    """The resolution the numerical screens judge the loss at: its dtype's, but never
+    coarser than float32's. A bfloat16 loss rounds to 2^-8 of itself, far coarser than
+    the gradients and activations behind it (computed with float32 accumulators): at
+    its own resolution, 16 of its ulps (12% of the loss) would call healthy small
+    gradients noise, and 32 would pass a 25% change of the loss as none. Judged at
+    float32's, half precision errs the other way: a cancellation that only these
+    screens can see may go unseen, and the report says so."""
+    if not loss.is_floating_point():
+        return 0.0
+    return min(float(torch.finfo(loss.dtype).eps), FLOAT32_EPS)
 
 
 def _gates_at_init(

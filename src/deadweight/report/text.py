@@ -30,6 +30,10 @@ def render(report: Report, console: Console | None = None) -> None:
     # columns); a kernel rich does not recognise would get 80 columns of plain text.
     console = console or Console(force_jupyter=True if in_notebook() else None)
     console.print(_header(report))
+    notes = report.subject.get("notes")
+    if isinstance(notes, list):
+        for note in notes:
+            console.print(Text(safe_text(f"note: {note}")))
     for title, findings in sections(report):
         if title is not None:  # the note in it is safe_text already
             console.print(Text(safe_text(title, keep_newlines=True), style="bold"))

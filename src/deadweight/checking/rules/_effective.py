@@ -207,6 +207,38 @@ def drift_prediction(i: Ineffective, group: GroupInfo, facts: OptimizerFacts) ->
     return evidence
 
 
+# Bits of precision (the implicit leading bit included) of the dtypes a parameter is
+# stored in; a step smaller than half the gap below its value rounds away.
+_PRECISION_BITS = {"float64": 53, "float32": 24, "bfloat16": 8, "float16": 11}
+
+
+def smallest_step(value: float, dtype: str) -> float | None:
+    """The smallest change to a number of size `value` stored in `dtype` that rounding
+    to nearest keeps, in the direction where it is smallest: half the gap to the next
+    number below `value` (at 1.0 in bfloat16: 2^-9). None for an unknown dtype or 0."""
+    bits = _PRECISION_BITS.get(dtype)
+    if bits is None or value <= 0 or not math.isfinite(value):
+        return None
+    exponent = math.floor(math.log2(value))
+    gap_below = 2.0 ** (exponent - (bits - 1))
+    if value == 2.0**exponent:  # at a power of two the gap below is half the one above
+        gap_below /= 2
+    return gap_below / 2
+
+
+def lost_updates(expected: float, worst: float, value: float, dtype: str) -> str | None:
+    """Whether an optimizer's steps on a parameter stored in `dtype` survive rounding:
+    "all" lost (every step, up to `worst`, below the smallest step at its value),
+    "some" (the typical step is below it, the largest ones land as whole steps of the
+    dtype), "none"; None when it cannot tell."""
+    floor = smallest_step(value, dtype)
+    if floor is None:
+        return None
+    if worst < floor:
+        return "all"
+    return "some" if expected < floor else "none"
+
+
 def movement(item: Ineffective, facts: OptimizerFacts) -> dict[str, object] | None:
     """How far the optimizer moves `item` within the horizon, against its own size.
 
@@ -234,5 +266,19 @@ def movement(item: Ineffective, facts: OptimizerFacts) -> dict[str, object] | No
         size * (1 - (1 - lr * group.weight_decay) ** horizon) if group.weight_decay > 0 else 0.0
     )
     evidence.update(drift_over_horizon=drift, decay_over_horizon=decayed)
+    # Judged as for a float32 parameter, whatever it is stored in: the verdict is about
+    # the parameter, and a run moves to float32 master weights with no change to it.
     evidence["material"] = max(drift, decayed) >= t.material_drift * max(size, 1e-12)
+    dtype = item.param.dtype
+    if dtype in ("bfloat16", "float16"):
+        lost = lost_updates(
+            float(evidence["expected_step"]),  # type: ignore[arg-type]
+            float(evidence["max_step"]),  # type: ignore[arg-type]
+            size,
+            dtype,
+        )
+        if lost is not None:
+            evidence.update(
+                param_dtype=dtype, smallest_step=smallest_step(size, dtype), updates_lost=lost
+            )
     return evidence

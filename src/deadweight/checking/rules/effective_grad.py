@@ -108,10 +108,46 @@ def _confirmation(i: Ineffective) -> str:
     growth = c.evidence.get("op_output_growth")
     if change is not None and growth is not None:
         return (
-            f" (scaling it changed that op's output by {change:.1e}, relative, and "
-            f"scaling it 10x further by {growth:.1e})"
+            f" (scaling it x16 changed that op's output by {change:.1e}, relative, and "
+            f"scaling it 16x further by {growth:.1e})"
         )
     return ""
+
+
+# The unit roundoffs of the float dtypes, by name (check_stats imports no torch).
+_DTYPE_OF_ROUNDING = {2.0**-24: "float32", 2.0**-8: "bfloat16", 2.0**-11: "float16", 2.0**-53: "float64"}
+
+
+def _gradient(i: Ineffective) -> str:
+    """What the gradient of a cancelled parameter is, from the confirming re-run: the
+    cancelling op's eps residue (deterministic: the same in float32 and float64), or
+    rounding noise of the coarsest dtype on its way, with how much the re-run moved
+    that op's output and the loss."""
+    g = i.param.grad
+    assert g is not None
+    size = f"Its gradient (|g| = {g.grad_norm:.1e})"
+    c = i.cancellation
+    change = c.evidence.get("op_output_change") if c is not None else None
+    if c is None or c.confirmed is not True or not isinstance(change, float):
+        return f"{size} is rounding noise with nothing to learn"
+    loss = c.evidence.get("relative_loss_change")
+    and_loss = f" and the loss by {loss:.1e}" if isinstance(loss, float) else ""
+    probe = "shifting" if c.kind == "shift" else "scaling it x16"
+    rounding = max(m.rounding for m in c.mechanisms)
+    eps_ops = [m.op for m in c.mechanisms if m.approx]
+    # A change of the op's output well above its rounding is the eps residue: the op
+    # divides by sqrt(var + eps), not sqrt(var), so the parameter is cancelled up to eps.
+    if eps_ops and change > 16 * rounding:
+        return (
+            f"{size} is the residue of the {eps_ops[0]}'s eps, deterministic but nothing to "
+            f"learn from ({probe} changed that op's output by {change:.1e}{and_loss}, relative)"
+        )
+    dtype = _DTYPE_OF_ROUNDING.get(rounding, "its dtype's")
+    return (
+        f"{size} is {dtype} rounding noise with nothing to learn ({probe} left that op's "
+        f"output unchanged within rounding ({change:.1e}){and_loss.replace(' and', ' and moved')}, "
+        "relative)"
+    )
 
 
 def _fate(i: Ineffective, stats: GradFlowStats) -> str:
@@ -127,7 +163,14 @@ def _fate(i: Ineffective, stats: GradFlowStats) -> str:
     move = max(float(moved["drift_over_horizon"]), float(moved["decay_over_horizon"]))  # type: ignore[arg-type]
     size = float(moved["param_rms"])  # type: ignore[arg-type]
     share = f" ({move / size:.0%} of its size)" if size > 0 else ""
-    return f"{facts.name} will move it by about {move:.2g}{share} within {moved['horizon_steps']} steps"
+    within = f"by about {move:.2g}{share} within {moved['horizon_steps']} steps"
+    if moved.get("updates_lost") == "all":
+        return (
+            f"{facts.name}'s updates to it are lost to {moved['param_dtype']} rounding, so it "
+            f"stays put while stored in {moved['param_dtype']}; with float32 master weights it "
+            f"would move {within}"
+        )
+    return f"{facts.name} will move it {within}"
 
 
 @rule(
@@ -250,8 +293,7 @@ def _invariance_findings(stats: GradFlowStats, code: str, kind: str) -> Iterator
             change = i.probe.relative_change if i.probe is not None else None
             how = f"{verb} changed the loss by {change:.1e} (relative)"
         yield get_rule(code).finding(
-            f"The loss does not depend on {i.param.name}: {how}. Its gradient "
-            f"(|g| = {g.grad_norm:.1e}) is rounding noise with nothing to learn, and "
+            f"The loss does not depend on {i.param.name}: {how}. {_gradient(i)}, and "
             f"{_fate(i, stats)}.",
             params=[i.param.name],
             location=Location(module=i.param.module),

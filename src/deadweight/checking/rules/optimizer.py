@@ -286,25 +286,49 @@ def drift_risk(stats: GradFlowStats) -> Iterator[Finding]:
         if severity_of(item, stats) is not Severity.WARNING:
             continue  # an exact, harmless redundancy, or a move too small within the horizon
         evidence = movement(item, facts) or {}
-        if "reset_amplification" in evidence:
-            detail = (
-                f"expect steps of about {evidence['expected_step']:.2g} (up to "
-                f"{evidence['max_step']:.2g}) per update, about "
-                f"{evidence['drift_over_horizon']:.2g} within {evidence['horizon_steps']} steps, "
-                f"{evidence['reset_amplification']:.2f}x larger right after an "
-                "optimizer-state reset"
-            )
-        elif "max_step" in evidence:
-            detail = f"expect steps of up to {evidence['max_step']:.2g} per update"
-        else:
-            detail = str(evidence["prediction"])
         yield get_rule("DW204").finding(
-            f"{name} cannot learn, has no weight decay and is updated by {facts.name}: it will "
-            f"drift on gradient noise; {detail}.",
+            f"{name} cannot learn, has no weight decay and is updated by {facts.name}: "
+            f"{_drift_words(evidence)}.",
             params=[name],
             location=Location(module=item.param.module),
             evidence=evidence,
         )
+
+
+def _drift_words(evidence: dict[str, object]) -> str:
+    """DW204's prediction in words, with what rounding in the parameter's dtype does to it."""
+    if "reset_amplification" in evidence:
+        detail = (
+            f"steps of about {evidence['expected_step']:.2g} (up to "
+            f"{evidence['max_step']:.2g}) per update, about "
+            f"{evidence['drift_over_horizon']:.2g} within {evidence['horizon_steps']} steps, "
+            f"{evidence['reset_amplification']:.2f}x larger right after an "
+            "optimizer-state reset"
+        )
+    elif "max_step" in evidence:
+        detail = f"steps of up to {evidence['max_step']:.2g} per update"
+    else:
+        return f"it will drift on gradient noise; {evidence['prediction']}"
+    lost, dtype = evidence.get("updates_lost"), evidence.get("param_dtype")
+    floor = evidence.get("smallest_step")
+    size = evidence.get("param_rms")
+    if lost == "all" and isinstance(floor, float) and isinstance(size, float):
+        return (
+            f"each of its updates (up to {evidence['max_step']:.2g}) is below the smallest step "
+            f"{dtype} keeps at its value ({floor:.2g} at {size:.3g}) and is lost, so it stays "
+            f"put while stored in {dtype}; with float32 master weights (fp32 parameters under "
+            f"autocast, FSDP2 mixed precision, Megatron's main params) it drifts on gradient "
+            f"noise: {detail}"
+        )
+    if lost == "some" and isinstance(floor, float) and isinstance(size, float):
+        return (
+            f"it will drift on gradient noise in whole {dtype} steps: its typical update "
+            f"({evidence['expected_step']:.2g}) is below the smallest step {dtype} keeps at "
+            f"its value ({floor:.2g} at {size:.3g}) and is lost, the largest (up to "
+            f"{evidence['max_step']:.2g}) are rounded up to whole steps; in float32 master "
+            f"weights expect {detail}"
+        )
+    return f"it will drift on gradient noise; expect {detail}"
 
 
 @rule(
