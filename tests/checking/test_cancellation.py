@@ -407,6 +407,21 @@ def test_a_call_the_pass_cannot_see_into_leaves_the_parameter_to_the_screens():
     assert stats.invariance[("scalar", "scale")].invariant
 
 
+def test_a_scale_cancelled_before_a_call_the_pass_cannot_see_into_still_holds():
+    # Megatron's shape: the final norm, then an output projection in an autograd.Function
+    # (ColumnParallelLinear). The scalar's scale ends at the norm; only its shift (a
+    # plain dependence by then) goes on into the Function, which hides no use of it.
+    class Model(ScalarBefore):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(Opaque.apply(self.norm(self.scalar * self.inp(x))))
+
+    model = Model(nn.LayerNorm(32))
+    stats = stats_of(model, mse)
+    found = stats.cancellations["scalar"]
+    assert found.kind == "scale" and found.full and found.confirmed is True
+    assert insensitive_in_float64(model, mse, "scalar", "scale")
+
+
 # -- independent of the loss's form and scale -----------------------------------------
 
 

@@ -245,6 +245,10 @@ class StructureTracker:
         self._carriers: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.absorbed: dict[int, list[Mechanism]] = {}
         self.opaque: set[int] = set()  # parameter indices
+        # The entities (parameter and kind) that reached a call the pass cannot see
+        # into: a scale cancelled before such a call still holds when only the
+        # parameter's shift went on into it (a norm, then Megatron's ColumnParallelLinear).
+        self._opaque_entities: set[int] = set()
         self.ordinals: dict[str, int] = {}
         self._current_module: Callable[[], str | None] = lambda: None
         self.failed: str | None = None  # an internal error switches the pass off
@@ -334,8 +338,7 @@ class StructureTracker:
         carriers = [self.carrier(v) for v in _flat(args, kwargs)]
         carriers += [self.carrier(v) for v in inner]
         merged = _general(carriers)
-        for e in merged.lost | merged.partial:
-            self.opaque.add(e // 2)
+        self._opaque(merged.lost | merged.partial)
         for o in outputs:
             self._set(o, merged)
 
@@ -351,7 +354,12 @@ class StructureTracker:
         for p in params:
             i = self._index.get(id(p))
             if i is not None:
-                self.opaque.add(i)
+                self._opaque({2 * i + SCALE, 2 * i + SHIFT})
+
+    def _opaque(self, entities: Iterable[int]) -> None:
+        for e in entities:
+            self._opaque_entities.add(e)
+            self.opaque.add(e // 2)
 
     def _observe(
         self, func: Any, name: str, ordinal: int, args: tuple, kwargs: dict, out: Any
@@ -367,8 +375,7 @@ class StructureTracker:
         if rule is None:
             if _is_custom_op(func):
                 for c in carriers:
-                    for e in c.all_entities() | c.partial:
-                        self.opaque.add(e // 2)
+                    self._opaque(c.all_entities() | c.partial)
             merged = _general(carriers)
             for o in outs:
                 self._set(o, merged)
@@ -413,7 +420,7 @@ class StructureTracker:
         cancellations: dict[str, Cancellation] = {}
         for e, mechanisms in self.absorbed.items():
             i, kind = divmod(e, 2)
-            if i in self.opaque or not has_grad(i):
+            if e in self._opaque_entities or not has_grad(i):
                 continue
             if e in at_loss.lost or e in at_loss.pure:
                 continue  # it reaches the loss in another way too

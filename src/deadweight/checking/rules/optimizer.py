@@ -243,7 +243,17 @@ def drift_risk(stats: GradFlowStats) -> Iterator[Finding]:
     - how far it gets within `drift-horizon-steps` (10k): `expected_step * horizon`.
 
     It follows DW104's severity: only a parameter the optimizer will move by at
-    least `material-drift` (10%) of its size within the horizon is reported. An
+    least `material-drift` (10%) of its size within the horizon is reported.
+
+    A bf16 or fp16 parameter is judged as a float32 one: the verdict is about the
+    parameter, and the run that steps a float32 master copy of it (autocast over fp32
+    parameters, FSDP2 mixed precision, Megatron's main params) drifts as predicted.
+    Where the parameter itself is what the optimizer steps, the message says what
+    rounding does to the updates: below the smallest step the dtype keeps at the
+    parameter's value (half the gap to the next number below: 2^-9 at 1.0 in bf16)
+    every update is lost and it stays put while stored so (DW304 sees the same under
+    watch); when only the typical update is below it, the largest land as whole
+    steps of the dtype. An
     exact shift redundancy (a key bias, a bias before BatchNorm) is not: nothing
     downstream sees where it goes (DW105, info).
 
@@ -272,6 +282,8 @@ def drift_risk(stats: GradFlowStats) -> Iterator[Finding]:
     - `horizon_steps`, `param_rms`, `drift_over_horizon`, `decay_over_horizon`,
       `material`: the move predicted within the horizon, against the parameter's size.
     - `prediction`: why there is no prediction, for an update rule deadweight does not know.
+    - `param_dtype`, `smallest_step`, `updates_lost` (`all`, `some`, `none`): for a bf16
+      or fp16 parameter, what rounding to its dtype does to the updates.
     """
     facts = stats.optimizer_facts
     if not facts:
