@@ -138,9 +138,12 @@ def _gradient(i: Ineffective) -> str:
     # A change of the op's output well above its rounding is the eps residue: the op
     # divides by sqrt(var + eps), not sqrt(var), so the parameter is cancelled up to eps.
     if eps_ops and change > 16 * rounding:
+        growth = c.evidence.get("op_output_growth")
+        shrank = f", x256 by only {growth:.1e} more," if isinstance(growth, float) else ""
         return (
             f"{size} is the residue of the {eps_ops[0]}'s eps, deterministic but nothing to "
-            f"learn from ({probe} changed that op's output by {change:.1e}{and_loss}, relative)"
+            f"learn from ({probe} changed that op's output by {change:.1e}{shrank}"
+            f"{and_loss}, relative)"
         )
     dtype = _DTYPE_OF_ROUNDING.get(rounding, "its dtype's")
     return (
@@ -289,7 +292,12 @@ def _invariance_findings(stats: GradFlowStats, code: str, kind: str) -> Iterator
         assert g is not None
         mechanism = _mechanism([i])
         if mechanism:
-            how = f"{mechanism} {what} {i.param.name} on every path to the loss{_confirmation(i)}"
+            # a confirmed one's re-run is told with what its gradient is, below
+            told = i.cancellation is not None and i.cancellation.confirmed is True
+            how = (
+                f"{mechanism} {what} {i.param.name} on every path to the loss"
+                f"{'' if told else _confirmation(i)}"
+            )
         else:
             verb = f"scaling it by {SCALE_FACTOR:g}" if kind == "scale" else "shifting it far"
             change = i.probe.relative_change if i.probe is not None else None
