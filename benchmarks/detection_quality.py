@@ -1833,7 +1833,9 @@ def print_precision(all_rows: Sequence[dict[str, Any]]) -> None:
         ok = [r for r in group if r["status"] == "ok"]
         for r in [r for r in ok if r["warnings"]]:
             params = r["warning_params"]
-            shown = ", ".join(params[:8]) + (f" and {len(params) - 8} more" if len(params) > 8 else "")
+            shown = ", ".join(params[:8]) + (
+                f" and {len(params) - 8} more" if len(params) > 8 else ""
+            )
             codes = " ".join(f"{c}x{n}" for c, n in r["warning_codes"])
             print(f"  {dtype} {r['arch']} ({codes}): {shown}")
         for r in [r for r in ok if not r["dw101_match"]]:

@@ -58,7 +58,9 @@ def test_fp32_parameters_under_bf16_autocast_drift_and_dw302_says_so():
 def test_pure_bf16_updates_are_lost_and_dw304_says_so_not_dw302():
     report, last = _train("bf16", STEPS)
     assert not report.by_code("DW302"), str(report)
-    lost = [f for f in report.by_code("DW304") if f.evidence.get("cause", "").startswith("update lost")]
+    lost = [
+        f for f in report.by_code("DW304") if f.evidence.get("cause", "").startswith("update lost")
+    ]
     assert lost, str(report)
     dtypes = lost[0].evidence["dtypes"]
     assert dtypes and set(dtypes.values()) == {"bfloat16"}

@@ -1652,7 +1652,7 @@ class _Probe:
     param: Tensor
     cancellation: Cancellation
 
-    def keys(self) -> list[tuple[str, int]]:
+    def op_keys(self) -> list[tuple[str, int]]:
         return [(m.call, m.ordinal) for m in self.cancellation.mechanisms]
 
 
@@ -1762,7 +1762,9 @@ class _Confirmation:
             p.cancellation.kind == "scale"
             and any(
                 c > _mechanism_tolerance(m, "scale", self.baseline[k])
-                for m, k, c in zip(p.cancellation.mechanisms, p.keys(), change1[p.name], strict=True)
+                for m, k, c in zip(
+                    p.cancellation.mechanisms, p.op_keys(), change1[p.name], strict=True
+                )
                 if k in self.baseline
             )
             for p in group
@@ -1793,10 +1795,10 @@ class _Confirmation:
             if k in outputs and k in reference
             else math.inf
             for p in group
-            for k in p.keys()
+            for k in p.op_keys()
         ]
         agreed = iter(self.agree(flat))
-        return {p.name: [next(agreed) for _ in p.keys()] for p in group}
+        return {p.name: [next(agreed) for _ in p.op_keys()] for p in group}
 
     def run(self, group: list[_Probe], step: int) -> tuple[float | None, Outputs] | None:
         """The forward re-run with `group` perturbed (the first point, or the second at
@@ -1814,7 +1816,7 @@ class _Confirmation:
                         local.mul_(_power_of_two(self.exponents[p.name] * (step + 1), local))
                     else:
                         local.add_(self.shifts[p.name] * (1.0 + 0.25 * (k % 8)))
-            targets = {k for p in group for k in p.keys()}
+            targets = {k for p in group for k in p.op_keys()}
             return self.rerun(targets or set(self.baseline))
         finally:
             with torch.no_grad():
@@ -1832,7 +1834,7 @@ class _Confirmation:
             return
         self.budget += 1
         again = self.run([], 0)
-        keys = [k for p in refuted for k in p.keys() if k in self.baseline]
+        keys = [k for p in refuted for k in p.op_keys() if k in self.baseline]
         moved = self.agree(
             [
                 relative_change(again[1][k], self.baseline[k]) if k in again[1] else math.inf
@@ -1919,7 +1921,7 @@ def _judge(
         return False, {"probe": NOT_SEEN}
     tol = max(
         _mechanism_tolerance(m, p.cancellation.kind, baseline[k])
-        for m, k in zip(p.cancellation.mechanisms, p.keys(), strict=True)
+        for m, k in zip(p.cancellation.mechanisms, p.op_keys(), strict=True)
     )
     worst1 = max(change1)
     evidence: dict[str, Any]

@@ -270,9 +270,7 @@ def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probe
     agree: cancellation.Agree | None = None
     failed = flow.error is not None
     if run.shards is not None:
-        value, stats, failed = sharded_flow.whole_statistics(
-            run.shards, run.trainable, flow, value
-        )
+        value, stats, failed = sharded_flow.whole_statistics(run.shards, run.trainable, flow, value)
         rerun = sharded_flow.on_all_ranks(run.model, run.shards, rerun)
         capturing = sharded_flow.capturing_on_all_ranks(run.model, run.shards, capturing)
         agree = sharded_flow.agreement(run.shards)

@@ -115,7 +115,12 @@ def _confirmation(i: Ineffective) -> str:
 
 
 # The unit roundoffs of the float dtypes, by name (check_stats imports no torch).
-_DTYPE_OF_ROUNDING = {2.0**-24: "float32", 2.0**-8: "bfloat16", 2.0**-11: "float16", 2.0**-53: "float64"}
+_DTYPE_OF_ROUNDING = {
+    2.0**-24: "float32",
+    2.0**-8: "bfloat16",
+    2.0**-11: "float16",
+    2.0**-53: "float64",
+}
 
 
 def _gradient(i: Ineffective) -> str:
