@@ -161,10 +161,10 @@ def test_a_rank_dying_under_fsdp2_leaves_the_survivors_reports_marked_incomplete
     assert time.monotonic() - start < 60
 
 
-def test_fsdp2_mixed_precision_check_and_watch_find_the_scalar(tmp_path):
+def test_fsdp2_mixed_precision_check_finds_the_scalar_watch_stays_quiet(tmp_path):
     """bf16 compute over fp32 sharded parameters: check (after an evaluation forward
     under no_grad, which leaves the root gathered) proves the cancellation through the
-    bf16 unsharded copies, and watch sees the fp32 sharded scalar drift."""
+    bf16 unsharded copies; watch stays quiet, since the fp32 copy only random-walks."""
     (tmp_path / "check").mkdir()
     (tmp_path / "watch").mkdir()
     checked = run_ranks(w.drift_check, 2, tmp_path / "check", None, True, deadline_s=120)
@@ -177,6 +177,8 @@ def test_fsdp2_mixed_precision_check_and_watch_find_the_scalar(tmp_path):
     assert checked[0]["findings"] == checked[1]["findings"]
     watched = run_ranks(w.drift_watch, 2, tmp_path / "watch", None, False, True, deadline_s=280)
     for res in watched.values():
-        assert ("DW302", [LAST]) in _findings(res), res["findings"]
-        ev = res["evidence"]["DW302"]
-        assert abs(ev["last_value"] - ev["first_value"]) > 0.1  # the fp32 copy drifted
+        # bf16 compute turns the cancelled scalar's gradient into rounding noise of
+        # random sign: Adam walks the fp32 copy at random rather than steadily, and
+        # its updates are kept (fp32), so neither DW302 nor DW304 can honestly fire.
+        flagged = {code for code, params in _findings(res) if LAST in params}
+        assert not flagged & {"DW302", "DW304"}, res["findings"]

@@ -29,7 +29,7 @@ def _shard(
     """FSDP2 over all ranks; with `hsdp`, HSDP on 4 ranks: a (2, 2) mesh, each
     parameter sharded over 2 ranks and the shards replicated twice. With `mixed`,
     FSDP2 mixed precision: fp32 sharded parameters (what the optimizer steps), bf16
-    compute, the parts and the root sharded."""
+    compute."""
     if world == 1:
         return
     from torch.distributed.device_mesh import init_device_mesh
@@ -44,9 +44,9 @@ def _shard(
         param_dtype=torch.bfloat16 if mixed else None,
         reduce_dtype=torch.float32 if mixed else None,
     )
-    for part in [*parts, model] if mixed else parts:
+    for part in parts:
         fully_shard(part, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def _slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -118,7 +118,8 @@ def drift_watch(
     rank: int, world: int, log: str | None = None, hsdp: bool = False, mixed: bool = False
 ) -> dict[str, Any]:
     """The second seed under watch: a shape-[1] scalar before RMSNorm drifts under AdamW
-    (with `mixed`, its fp32 sharded copy drifts while the forward computes in bf16)."""
+    (with `mixed`, the forward computes in bf16 and the scalar's gradient is rounding
+    noise, so its fp32 sharded copy only random-walks)."""
     torch.manual_seed(0)
     setup = layer_scalar_drift.make_watchable()
     model = setup.model

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from deadweight.checking.check_stats import SCALE_FACTOR, GradFlowStats
 from deadweight.checking.rules._effective import (
     Ineffective,
+    gradient_kind,
     movement,
     no_effective_gradient,
     severity_of,
@@ -114,46 +115,32 @@ def _confirmation(i: Ineffective) -> str:
     return ""
 
 
-# The unit roundoffs of the float dtypes, by name (check_stats imports no torch).
-_DTYPE_OF_ROUNDING = {
-    2.0**-24: "float32",
-    2.0**-8: "bfloat16",
-    2.0**-11: "float16",
-    2.0**-53: "float64",
-}
-
-
 def _gradient(i: Ineffective) -> str:
-    """What the gradient of a cancelled parameter is, from the confirming re-run: the
-    cancelling op's eps residue (deterministic: the same in float32 and float64), or
-    rounding noise of the coarsest dtype on its way, with how much the re-run moved
-    that op's output and the loss."""
+    """What the gradient of a cancelled parameter is, from the confirming re-run
+    (`gradient_kind`), with how much the re-run moved that op's output and the loss."""
     g = i.param.grad
     assert g is not None
     size = f"Its gradient (|g| = {g.grad_norm:.1e})"
+    kind = gradient_kind(i)
     c = i.cancellation
-    change = c.evidence.get("op_output_change") if c is not None else None
-    if c is None or c.confirmed is not True or not isinstance(change, float):
+    if kind is None or c is None:
         return f"{size} is rounding noise with nothing to learn"
+    change = float(c.evidence["op_output_change"])
     loss = c.evidence.get("relative_loss_change")
     and_loss = f" and the loss by {loss:.1e}" if isinstance(loss, float) else ""
     probe = "shifting" if c.kind == "shift" else "scaling it x16"
-    rounding = max(m.rounding for m in c.mechanisms)
-    eps_ops = [m.op for m in c.mechanisms if m.approx]
-    # A change of the op's output well above its rounding is the eps residue: the op
-    # divides by sqrt(var + eps), not sqrt(var), so the parameter is cancelled up to eps.
-    if eps_ops and change > 16 * rounding:
+    if kind == "eps residue":
         growth = c.evidence.get("op_output_growth")
         shrank = f", x256 by only {growth:.1e} more," if isinstance(growth, float) else ""
+        op = next(m.op for m in c.mechanisms if m.approx)
         return (
-            f"{size} is the residue of the {eps_ops[0]}'s eps, deterministic but nothing to "
+            f"{size} is the residue of the {op}'s eps, deterministic but nothing to "
             f"learn from ({probe} changed that op's output by {change:.1e}{shrank}"
             f"{and_loss}, relative)"
         )
-    dtype = _DTYPE_OF_ROUNDING.get(rounding, "its dtype's")
     return (
-        f"{size} is {dtype} rounding noise with nothing to learn ({probe} left that op's "
-        f"output unchanged within rounding ({change:.1e}){and_loss.replace(' and', ' and moved')}, "
+        f"{size} is {kind} with nothing to learn ({probe} left that op's output "
+        f"unchanged within rounding ({change:.1e}){and_loss.replace(' and', ' and moved')}, "
         "relative)"
     )
 
