@@ -8,7 +8,7 @@ per-case result):
    planted parameter that an operation after it provably cancels (a scalar or
    per-channel gain before a normalization, a conv bias before BatchNorm, an attention
    key bias before softmax, a single bias on every logit before cross-entropy). The
-   sweep crosses placement x norm kind x eps x width x loss form x precision x seed.
+   sweep crosses placement x norm kind x eps x width x loss form x dtype x seed.
    A case is *found* when some DW103/DW104/DW105 finding names the planted parameter,
    at any severity; the tables split the found cases by the severity they got. Read
    "recall" as found / (cases that ran); "at warning" is the share of those cases
@@ -196,9 +196,9 @@ PLACEMENTS: dict[str, str] = {
     "h": "shape-[1] bias on every logit before cross-entropy",
 }
 NORMS_BY_PLACEMENT: dict[str, tuple[str, ...]] = {
-    "a": ("layernorm", "rmsnorm", "groupnorm", "f_layer_norm"),
+    "a": ("layernorm", "rmsnorm", "groupnorm", "f_layer_norm", "llama_rmsnorm"),
     "b": ("batchnorm2d", "instancenorm2d", "groupnorm_per_channel"),
-    "c": ("layernorm", "rmsnorm", "groupnorm", "f_layer_norm"),
+    "c": ("layernorm", "rmsnorm", "groupnorm", "f_layer_norm", "llama_rmsnorm"),
     "d": ("batchnorm2d",),
     "e": ("softmax",),
     "f": ("hand_rmsnorm",),
@@ -210,7 +210,11 @@ NORMS_WITHOUT_EPS = frozenset({"softmax", "cross_entropy"})
 WIDTHS: tuple[int, ...] = (8, 64, 512, 4096)
 LOSS_FORMS: tuple[str, ...] = ("ce", "mse", "mse_zero", "sum", "ce_plus_const", "ce_zero_value")
 CE_LOSS_FORMS: tuple[str, ...] = ("ce", "ce_plus_const", "ce_zero_value")
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16_autocast")
+# How the model computes: fp32; fp32 parameters under bf16 autocast; the model and its
+# input cast to bf16 or fp16 (`model.to(dtype)`); FSDP2 mixed precision (fp32 sharded
+# parameters, bf16 compute: one process, gloo).
+DTYPES: tuple[str, ...] = ("fp32", "bf16_autocast", "bf16", "fp16", "fsdp2_bf16")
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SEEDS: tuple[int, ...] = (0, 1, 2)
 GROUPNORM_GROUPS = 2
 STACK_BLOCKS = 3
@@ -226,7 +230,7 @@ class Case:
     eps: float | None
     width: int
     loss: str
-    precision: str
+    dtype: str
     seed: int
 
     @property
@@ -234,7 +238,7 @@ class Case:
         eps = "-" if self.eps is None else f"{self.eps:g}"
         return (
             f"{self.placement}/{self.norm}/eps={eps}/w={self.width}/{self.loss}/"
-            f"{self.precision}/s={self.seed}"
+            f"{self.dtype}/s={self.seed}"
         )
 
 
@@ -246,16 +250,16 @@ def all_cases() -> list[Case]:
             eps_values: tuple[float | None, ...] = (
                 (None,) if norm in NORMS_WITHOUT_EPS else EPS_VALUES
             )
-            for eps, width, loss, precision, seed in itertools.product(
-                eps_values, WIDTHS, losses, PRECISIONS, SEEDS
+            for eps, width, loss, dtype, seed in itertools.product(
+                eps_values, WIDTHS, losses, DTYPES, SEEDS
             ):
                 if norm == "groupnorm" and width % GROUPNORM_GROUPS:
                     continue
-                cases.append(Case(placement, norm, eps, width, loss, precision, seed))
+                cases.append(Case(placement, norm, eps, width, loss, dtype, seed))
     return cases
 
 
-BALANCED_DIMS = ("norm", "eps", "width", "loss", "precision", "seed")
+BALANCED_DIMS = ("norm", "eps", "width", "loss", "dtype", "seed")
 
 
 def quick_cases(cases: Sequence[Case], total: int) -> list[Case]:
@@ -263,7 +267,7 @@ def quick_cases(cases: Sequence[Case], total: int) -> list[Case]:
 
     Within a placement the cases are shuffled with a fixed string seed (stable across
     runs and machines), then picked greedily: each next case is the one whose values of
-    norm, eps, width, loss, precision and seed have been picked least so far.
+    norm, eps, width, loss, dtype and seed have been picked least so far.
     """
     by_placement: dict[str, list[Case]] = defaultdict(list)
     for case in cases:
@@ -295,6 +299,11 @@ def make_norm(kind: str, width: int, eps: float) -> nn.Module | None:
         return nn.GroupNorm(GROUPNORM_GROUPS, width, eps=eps)
     if kind == "f_layer_norm":
         return None  # applied as F.layer_norm in forward
+    if kind == "llama_rmsnorm":
+        # transformers' own: computes in fp32 and casts back (as Mistral, Qwen, Gemma do)
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        return LlamaRMSNorm(width, eps=eps)
     raise ValueError(kind)
 
 
@@ -463,12 +472,15 @@ class Built:
     planted: tuple[str, ...]
     x: torch.Tensor
     healthy: tuple[str, ...] = ()  # must not be reported at warning
+    truth_residual: float = math.nan  # cancellation_residual, before any cast
 
 
 SHIFTED_PLACEMENTS = frozenset({"d", "e", "h"})  # biases; the others are gains
 
 
-def cancellation_residual(built: Built, placement: str) -> float:
+def cancellation_residual(
+    model: nn.Module, x: torch.Tensor, planted: tuple[str, ...], placement: str
+) -> float:
     """The ground truth, checked: how much the planted parameter moves what the loss sees.
 
     In float64 on a copy, under no_grad: scale the planted gain by 10, or add a random
@@ -476,8 +488,8 @@ def cancellation_residual(built: Built, placement: str) -> float:
     output (of its log-softmax for (h), where the logits themselves do shift). A true
     cancellation leaves only the normalization's eps residue (about eps / variance).
     """
-    twin = copy.deepcopy(built.model).double()
-    x = built.x.double()
+    twin = copy.deepcopy(model).double()
+    x = x.double()
     gen = torch.Generator().manual_seed(99)
 
     def seen(out: torch.Tensor) -> torch.Tensor:
@@ -486,7 +498,7 @@ def cancellation_residual(built: Built, placement: str) -> float:
     with torch.no_grad():
         base = seen(twin(x))
         params = dict(twin.named_parameters())
-        for name in built.planted:
+        for name in planted:
             p = params[name]
             if placement in SHIFTED_PLACEMENTS:
                 p.add_(10 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
@@ -504,10 +516,13 @@ def batch_size(case: Case) -> int:
 
 
 def make_loss(
-    model: nn.Module, x: torch.Tensor, form: str, precision: str, gen: torch.Generator
+    model: nn.Module, x: torch.Tensor, form: str, dtype: str, gen: torch.Generator
 ) -> LossFn:
     with torch.no_grad():
         logits_shape = model(x).shape
+    reshard = getattr(model, "reshard", None)
+    if callable(reshard):  # FSDP2 keeps a root gathered after a no_grad forward
+        reshard()
     targets = torch.randint(0, N_CLASSES, logits_shape[:-1], generator=gen)
     regression = torch.randn(logits_shape, generator=gen)
 
@@ -521,7 +536,7 @@ def make_loss(
                 return ce - ce.detach()  # value exactly 0, gradient that of ce
             return ce
         if form == "mse":
-            return F.mse_loss(logits, regression)
+            return F.mse_loss(logits, regression.to(logits.dtype))
         if form == "mse_zero":
             return logits.pow(2).mean()
         if form == "sum":
@@ -529,7 +544,7 @@ def make_loss(
         raise ValueError(form)
 
     def loss_fn() -> torch.Tensor:
-        if precision == "bf16_autocast":
+        if dtype == "bf16_autocast":
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = loss_of(model(x))
             return loss.float()
@@ -577,15 +592,58 @@ def build_case(case: Case) -> Built:
     else:
         raise ValueError(case.placement)
     model.train()
-    loss_fn = make_loss(model, x, case.loss, case.precision, gen)
-    return Built(model, loss_fn, planted, x, healthy)
+    truth = cancellation_residual(model, x, planted, case.placement)
+    model, x = in_dtype(model, x, case.dtype)
+    loss_fn = make_loss(model, x, case.loss, case.dtype, gen)
+    return Built(model, loss_fn, planted, x, healthy, truth)
+
+
+def in_dtype(model: nn.Module, x: torch.Tensor, dtype: str) -> tuple[nn.Module, torch.Tensor]:
+    """The model (and its input) as the case computes: cast, or sharded by FSDP2."""
+    if dtype in PARAM_DTYPES:
+        return model.to(PARAM_DTYPES[dtype]), x.to(PARAM_DTYPES[dtype])
+    if dtype == "fsdp2_bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        single_process_group()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard(model, mp_policy=policy)  # casts the forward's inputs to bf16 too
+    return model, x
+
+
+def single_process_group() -> None:
+    """A one-process gloo group, once, for FSDP2."""
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def _runs_in_fp32(case: Case) -> bool:
+    try:
+        build_case(Case(**{**asdict(case), "dtype": "fp32"}))
+    except Exception:
+        return False
+    return True
 
 
 def run_recall_case(case: Case) -> dict[str, Any]:
     row: dict[str, Any] = {"id": case.id, **asdict(case), "status": "ok"}
     try:
         built = build_case(case)
-        row["truth_residual_fp64"] = cancellation_residual(built, case.placement)
+        row["truth_residual_fp64"] = built.truth_residual
+    except Exception as exc:
+        row.update(status="error", error=short_error(exc), traceback=traceback.format_exc())
+        if case.dtype != "fp32" and _runs_in_fp32(case):
+            # the model itself cannot run in this dtype (BatchNorm's fp32 running
+            # statistics against FSDP2's bf16 parameters): not deadweight's to judge
+            row["status"] = "unsupported"
+        return row
+    try:
         optimizer = make_optimizer(built.model, built.planted)
         start = time.perf_counter()
         report = deadweight.check(built.model, built.loss_fn, optimizer)
@@ -1171,12 +1229,30 @@ def grads_none_after_backward(model: nn.Module, inputs: dict[str, Any]) -> set[s
     return {n for n, p in twin.named_parameters() if p.requires_grad and p.grad is None}
 
 
-def run_arch(arch: Arch) -> dict[str, Any]:
+FLOAT_INPUTS = ("pixel_values", "input_features", "input_values")
+
+
+def arch_in_dtype(
+    model: nn.Module, inputs: dict[str, Any], dtype: str
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The stock model as the dtype case trains it; float inputs cast with it."""
+    if dtype in PARAM_DTYPES:
+        cast = {
+            k: v.to(PARAM_DTYPES[dtype]) if k in FLOAT_INPUTS and torch.is_tensor(v) else v
+            for k, v in inputs.items()
+        }
+        return model.to(PARAM_DTYPES[dtype]), cast
+    model, _ = in_dtype(model, torch.empty(0), dtype)
+    return model, inputs
+
+
+def run_arch(arch: Arch, dtype: str = "fp32") -> dict[str, Any]:
     row: dict[str, Any] = {
         "arch": arch.name,
         "family": arch.family,
         "model": arch.model_cls,
         "note": arch.note,
+        "dtype": dtype,
         "status": "ok",
     }
     try:
@@ -1193,8 +1269,22 @@ def run_arch(arch: Arch) -> dict[str, Any]:
     except Exception as exc:
         row.update(status="run error", error=short_error(exc), traceback=traceback.format_exc())
         return row
+    try:
+        model, inputs = arch_in_dtype(model, inputs, dtype)
+        with torch.no_grad():
+            torch.manual_seed(1234)
+            model(**inputs)
+        reshard = getattr(model, "reshard", None)
+        if callable(reshard):  # FSDP2 keeps a root gathered after a no_grad forward
+            reshard()
+    except Exception as exc:  # the model itself cannot run in this dtype
+        row.update(status="unsupported", error=short_error(exc))
+        return row
 
     def loss_fn() -> torch.Tensor:
+        if dtype == "bf16_autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(**inputs).loss.float()
         return model(**inputs).loss
 
     try:
@@ -1573,7 +1663,7 @@ def recall_row(label: str, rows: Sequence[dict[str, Any]]) -> list[Any]:
     return [
         label,
         len(rows),
-        len(rows) - len(ran),
+        sum(1 for r in rows if r["status"] == "error"),
         pct(len(found), len(ran)),
         pct(len(warn), len(ran)),
         pct(len(info), len(ran)),
@@ -1614,7 +1704,7 @@ def print_recall(rows: Sequence[dict[str, Any]]) -> None:
         ("norm", "by norm kind"),
         ("loss", "by loss form"),
         ("width", "by width"),
-        ("precision", "by precision"),
+        ("dtype", "by dtype"),
         ("eps", "by eps"),
         ("seed", "by seed"),
     ):
@@ -1663,14 +1753,22 @@ def print_recall(rows: Sequence[dict[str, Any]]) -> None:
     by_param = Counter((r["placement"], p) for r in other for p in r["other_at_warning"])
     for (placement, p), n in by_param.most_common(15):
         print(f"  ({placement}) {p}: {n} case(s)")
-    errors = [r for r in rows if r["status"] != "ok"]
+    unsupported = [r for r in rows if r["status"] == "unsupported"]
+    if unsupported:
+        print()
+        print_id_list(
+            "cases the model itself cannot run in their dtype (not counted)",
+            [f"{r['id']}: {r['error']}" for r in unsupported],
+        )
+    errors = [r for r in rows if r["status"] == "error"]
     if errors:
         print()
         print_id_list("error cases", [f"{r['id']}: {r['error']}" for r in errors])
 
 
-def print_precision(rows: Sequence[dict[str, Any]]) -> None:
+def print_precision(all_rows: Sequence[dict[str, Any]]) -> None:
     print("\n== Part 2: precision on stock transformers architectures (train mode, own loss) ==")
+    rows = [r for r in all_rows if r.get("dtype", "fp32") == "fp32"] or list(all_rows)
     having = [r["arch"] for r in rows if r.get("layerdrop", {}).get("present")]
     nonzero = [
         f"{r['arch']} ({', '.join(r['layerdrop']['nonzero_default'])})"
@@ -1691,32 +1789,64 @@ def print_precision(rows: Sequence[dict[str, Any]]) -> None:
         info = " ".join(f"{c}x{n}" for c, n in r["info_codes"]) or "-"
         match = "yes" if r["dw101_match"] else "NO"
         out.append([r["arch"], r["family"], r["warnings"], codes, r["infos"], info, match])
+    print(f"\n{rows[0].get('dtype', 'fp32') if rows else 'fp32'}:")
     print(
         table(
             ("arch", "family", "warnings", "warning codes", "infos", "info codes", "DW101 = truth"),
             out,
         )
     )
-    ok = [r for r in rows if r["status"] == "ok"]
-    warned = [r for r in ok if r["warnings"]]
+    by_dtype: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in all_rows:
+        by_dtype[r.get("dtype", "fp32")].append(r)
+    summary = []
+    for dtype in [d for d in DTYPES if d in by_dtype]:
+        group = by_dtype[dtype]
+        ok = [r for r in group if r["status"] == "ok"]
+        summary.append(
+            [
+                dtype,
+                len(ok),
+                sum(1 for r in group if r["status"] == "unsupported"),
+                sum(1 for r in group if r["status"] not in ("ok", "unsupported")),
+                sum(1 for r in ok if r["warnings"]),
+                sum(r["infos"] for r in ok),
+                f"{sum(1 for r in ok if r['dw101_match'])}/{len(ok)}",
+            ]
+        )
+    print("\nby dtype (the model itself failing in a dtype is 'unsupported', not counted):")
     print(
-        f"\narchitectures with >= 1 warning (other than DW101/DW102): {len(warned)} of {len(ok)} "
-        f"that ran ({len(rows) - len(ok)} could not run)"
+        table(
+            (
+                "dtype",
+                "ran",
+                "unsupported",
+                "check errors",
+                "with >= 1 warning",
+                "infos",
+                "DW101 = truth",
+            ),
+            summary,
+        )
     )
-    for r in warned:
-        params = r["warning_params"]
-        shown = ", ".join(params[:8]) + (f" and {len(params) - 8} more" if len(params) > 8 else "")
-        print(f"  {r['arch']}: {shown}")
-    mism = [r for r in ok if not r["dw101_match"]]
-    print(f"DW101 mismatches with the p.grad-is-None ground truth: {len(mism)} of {len(ok)}")
-    for r in mism:
-        print(f"  {r['arch']}: missing {r['dw101_missing']} extra {r['dw101_extra']}")
-    truth = [r for r in ok if r["grad_none_truth"]]
-    for r in truth:
-        print(f"  (ground truth non-empty) {r['arch']}: {r['grad_none_truth']}")
-    for r in rows:
-        if r["status"] != "ok":
-            print(f"  {r['arch']}: {r['status']}: {r['error']}")
+    for dtype, group in by_dtype.items():
+        ok = [r for r in group if r["status"] == "ok"]
+        for r in [r for r in ok if r["warnings"]]:
+            params = r["warning_params"]
+            shown = ", ".join(params[:8]) + (
+                f" and {len(params) - 8} more" if len(params) > 8 else ""
+            )
+            codes = " ".join(f"{c}x{n}" for c, n in r["warning_codes"])
+            print(f"  {dtype} {r['arch']} ({codes}): {shown}")
+        for r in [r for r in ok if not r["dw101_match"]]:
+            print(
+                f"  {dtype} {r['arch']}: DW101 missing {r['dw101_missing']} extra {r['dw101_extra']}"
+            )
+        for r in [r for r in ok if r["grad_none_truth"]]:
+            print(f"  {dtype} (ground truth non-empty) {r['arch']}: {r['grad_none_truth']}")
+        for r in group:
+            if r["status"] != "ok":
+                print(f"  {dtype} {r['arch']}: {r['status']}: {r['error']}")
 
 
 def print_seeds(results: Sequence[SeedResult]) -> None:
@@ -1769,7 +1899,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--part", choices=("recall", "precision", "seeds", "all"), default="all")
     parser.add_argument("--json", metavar="PATH", help="write every raw per-case result here")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--dtypes",
+        default=",".join(DTYPES),
+        help=f"recall cases in these dtypes only (comma-separated; default all: {','.join(DTYPES)})",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="FIELD=V1,V2",
+        help="recall cases whose FIELD (placement, norm, eps, width, loss, seed) is one of the "
+        "values; repeatable, e.g. --only norm=layernorm,llama_rmsnorm --only width=8,64",
+    )
     args = parser.parse_args(argv)
+    only: dict[str, set[str]] = {}
+    for item in args.only:
+        field_name, _, values = item.partition("=")
+        if field_name not in ("placement", "norm", "eps", "width", "loss", "seed") or not values:
+            parser.error(f"--only {item!r}: expected FIELD=V1,V2 with FIELD one of placement, "
+                         "norm, eps, width, loss, seed")  # fmt: skip
+        only[field_name] = set(values.split(","))
+    dtypes = set(args.dtypes.split(","))
+    if not dtypes <= set(DTYPES):
+        parser.error(f"--dtypes: unknown {', '.join(sorted(dtypes - set(DTYPES)))}")
 
     torch.set_num_threads(args.threads)
     try:
@@ -1802,7 +1955,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.part in ("recall", "all"):
         t0 = time.perf_counter()
-        cases = all_cases()
+        cases = [
+            c
+            for c in all_cases()
+            if c.dtype in dtypes
+            and all(
+                (f"{getattr(c, k):g}" if k == "eps" and getattr(c, k) is not None
+                 else str(getattr(c, k))) in v
+                for k, v in only.items()
+            )
+        ]  # fmt: skip
         chosen = quick_cases(cases, args.quick_cases) if args.quick else cases
         print(f"\nrecall: {len(chosen)} of {len(cases)} cases", file=sys.stderr)
         rows = []
@@ -1819,9 +1981,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         archs = ARCHS  # all of them in --quick too: at 2 layers even width 768 is quick
         rows = []
-        for arch in archs:
-            print(f"  precision: {arch.name}", file=sys.stderr)
-            rows.append(run_arch(arch))
+        for dtype in [d for d in DTYPES if d in dtypes]:
+            for arch in archs:
+                print(f"  precision: {arch.name} {dtype}", file=sys.stderr)
+                rows.append(run_arch(arch, dtype))
         out["precision"] = rows
         print_precision(rows)
         first = []

@@ -407,6 +407,21 @@ def test_a_call_the_pass_cannot_see_into_leaves_the_parameter_to_the_screens():
     assert stats.invariance[("scalar", "scale")].invariant
 
 
+def test_a_scale_cancelled_before_a_call_the_pass_cannot_see_into_still_holds():
+    # Megatron's shape: the final norm, then an output projection in an autograd.Function
+    # (ColumnParallelLinear). The scalar's scale ends at the norm; only its shift (a
+    # plain dependence by then) goes on into the Function, which hides no use of it.
+    class Model(ScalarBefore):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(Opaque.apply(self.norm(self.scalar * self.inp(x))))
+
+    model = Model(nn.LayerNorm(32))
+    stats = stats_of(model, mse)
+    found = stats.cancellations["scalar"]
+    assert found.kind == "scale" and found.full and found.confirmed is True
+    assert insensitive_in_float64(model, mse, "scalar", "scale")
+
+
 # -- independent of the loss's form and scale -----------------------------------------
 
 
@@ -510,8 +525,8 @@ def test_a_healthy_transformer_costs_no_rerun():
 
 @pytest.mark.parametrize("eps", [1e-5, 1e-2])
 def test_the_confirming_reruns_compare_the_ops_own_output(eps):
-    # A reference for the evidence: the LayerNorm's output with the scalar x10 against
-    # x1, and x100 against x10. With eps = 1e-5 the first point is unchanged within
+    # A reference for the evidence: the LayerNorm's output with the scalar x16 against
+    # x1, and x256 against x16. With eps = 1e-5 the first point is unchanged within
     # rounding and settles it; eps = 1e-2 leaves a residue above rounding, so the
     # second point must show it shrinking.
     model = ScalarBefore(nn.LayerNorm(32, eps=eps))
@@ -520,7 +535,7 @@ def test_the_confirming_reruns_compare_the_ops_own_output(eps):
     assert found.confirmed is True
     evidence = found.evidence
     outputs = []
-    for factor in (1.0, 10.0, 100.0):
+    for factor in (1.0, 16.0, 256.0):
         clone = copy.deepcopy(model)
         seen: list[torch.Tensor] = []
         clone.norm.register_forward_hook(lambda m, a, out, seen=seen: seen.append(out.detach()))
@@ -532,9 +547,9 @@ def test_the_confirming_reruns_compare_the_ops_own_output(eps):
         relative_change(outputs[1], outputs[0]), rel=1e-3, abs=1e-9
     )
     if eps == 1e-5:
-        assert evidence["probe"] == "x10" and "op_output_growth" not in evidence
+        assert evidence["probe"] == "x16" and "op_output_growth" not in evidence
         return
-    assert evidence["probe"] == "x10, x100"
+    assert evidence["probe"] == "x16, x256"
     assert evidence["op_output_growth"] == pytest.approx(
         relative_change(outputs[2], outputs[1]), rel=1e-3, abs=1e-9
     )

@@ -159,3 +159,26 @@ def test_a_rank_dying_under_fsdp2_leaves_the_survivors_reports_marked_incomplete
         subject = json.loads(rebuilt.stdout)["subject"]
         assert subject["distributed"]["complete"] is False and subject["end"] == "closed"
     assert time.monotonic() - start < 60
+
+
+def test_fsdp2_mixed_precision_check_finds_the_scalar_watch_stays_quiet(tmp_path):
+    """bf16 compute over fp32 sharded parameters: check (after an evaluation forward
+    under no_grad, which leaves the root gathered) proves the cancellation through the
+    bf16 unsharded copies; watch stays quiet, since the fp32 copy only random-walks."""
+    (tmp_path / "check").mkdir()
+    (tmp_path / "watch").mkdir()
+    checked = run_ranks(w.drift_check, 2, tmp_path / "check", None, True, deadline_s=120)
+    for res in checked.values():
+        codes = {code for code, params in _findings(res) if params == [LAST]}
+        assert {"DW104", "DW203", "DW204"} <= codes, res["findings"]
+        entry = res["evidence"]["DW104"]["params"][LAST]
+        assert entry["confirmed"] is True and entry["mechanism"][0]["module"] == "final_norm"
+        assert res["untouched"] is True
+    assert checked[0]["findings"] == checked[1]["findings"]
+    watched = run_ranks(w.drift_watch, 2, tmp_path / "watch", None, False, True, deadline_s=280)
+    for res in watched.values():
+        # bf16 compute turns the cancelled scalar's gradient into rounding noise of
+        # random sign: Adam walks the fp32 copy at random rather than steadily, and
+        # its updates are kept (fp32), so neither DW302 nor DW304 can honestly fire.
+        flagged = {code for code, params in _findings(res) if LAST in params}
+        assert not flagged & {"DW302", "DW304"}, res["findings"]

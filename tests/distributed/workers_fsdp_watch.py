@@ -19,22 +19,34 @@ GLOBAL_BATCH = 60
 DRIFT_STEPS = 300  # DW302 judges after 100 steps; the drift is ~0.2 by step 300
 
 
-def _shard(model: nn.Module, world: int, parts: list[nn.Module], hsdp: bool = False) -> None:
+def _shard(
+    model: nn.Module,
+    world: int,
+    parts: list[nn.Module],
+    hsdp: bool = False,
+    mixed: bool = False,
+) -> None:
     """FSDP2 over all ranks; with `hsdp`, HSDP on 4 ranks: a (2, 2) mesh, each
-    parameter sharded over 2 ranks and the shards replicated twice."""
+    parameter sharded over 2 ranks and the shards replicated twice. With `mixed`,
+    FSDP2 mixed precision: fp32 sharded parameters (what the optimizer steps), bf16
+    compute."""
     if world == 1:
         return
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if hsdp:
         assert world == 4
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if mixed else None,
+        reduce_dtype=torch.float32 if mixed else None,
+    )
     for part in parts:
-        fully_shard(part, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(part, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def _slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -103,13 +115,15 @@ def deadweight_local(t: torch.Tensor) -> torch.Tensor:
 
 
 def drift_watch(
-    rank: int, world: int, log: str | None = None, hsdp: bool = False
+    rank: int, world: int, log: str | None = None, hsdp: bool = False, mixed: bool = False
 ) -> dict[str, Any]:
-    """The second seed under watch: a shape-[1] scalar before RMSNorm drifts under AdamW."""
+    """The second seed under watch: a shape-[1] scalar before RMSNorm drifts under AdamW
+    (with `mixed`, the forward computes in bf16 and the scalar's gradient is rounding
+    noise, so its fp32 sharded copy only random-walks)."""
     torch.manual_seed(0)
     setup = layer_scalar_drift.make_watchable()
     model = setup.model
-    _shard(model, world, list(model.blocks), hsdp)
+    _shard(model, world, list(model.blocks), hsdp, mixed)
     groups = layer_scalar_drift.shape_rule_groups(model)  # over the DTensors
     opt = torch.optim.AdamW(
         groups,
@@ -208,17 +222,21 @@ def watch_one_rank_missing(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def drift_check(rank: int, world: int, fail_on_call: int | None = None) -> dict[str, Any]:
+def drift_check(
+    rank: int, world: int, fail_on_call: int | None = None, mixed: bool = False
+) -> dict[str, Any]:
     """The second seed's model checked once at step 0: the scalar before the final
     RMSNorm is confirmed invariant by the functional probes (DW104).
 
     `fail_on_call`: rank 1's loss_fn raises on that call (1 is the checked run, 2 the
     first probe), after the model's forward, so FSDP2's own collectives stay matched.
+    `mixed`: FSDP2 mixed precision, and an evaluation forward under no_grad before the
+    check, which leaves the root's parameters gathered.
     """
     torch.manual_seed(0)
     setup = layer_scalar_drift.make()
     model = setup.model
-    _shard(model, world, list(model.blocks))
+    _shard(model, world, list(model.blocks), mixed=mixed)
     opt = torch.optim.AdamW(
         layer_scalar_drift.shape_rule_groups(model),  # after fully_shard
         lr=layer_scalar_drift.LR,
@@ -237,6 +255,9 @@ def drift_check(rank: int, world: int, fail_on_call: int | None = None) -> dict[
         return loss
 
     before = {n: deadweight_local(p).clone() for n, p in model.named_parameters()}
+    if mixed:
+        with torch.no_grad():
+            model(x)
     report = deadweight.check(model, loss_fn, opt)
     out = _summary(report)
     out["calls"] = calls[0]
@@ -268,11 +289,10 @@ class WeakBranch(nn.Module):
 
 
 def healthy_check(rank: int, world: int) -> dict[str, Any]:
-    """No parameter the loss ignores; the weak branch is probed and found to matter.
+    """No parameter the loss ignores; the weak branch is proven to reach the loss.
 
     `branch` is left in the root's FSDP2 group, which a forward under no_grad leaves
-    gathered: a probe that did not reshard it would re-use the x10 copy for the x100
-    point and call the branch invariant.
+    gathered: the structure pass must follow it through the root's unsharded copy.
     """
     torch.manual_seed(0)
     model = WeakBranch()

@@ -116,6 +116,11 @@ def check(
     extra: dict[str, Any] = {}
     if stats.state_note is not None:
         extra["state_note"] = stats.state_note
+    # What the check could not do, or did only in part: said beside the findings, so an
+    # empty report never reads as a clean one where it was not.
+    notes = [n for n in (stats.structure_note, stats.probe_note, stats.state_note) if n]
+    if notes:
+        extra["notes"] = notes
     if layout.ranks is not None:
         findings, extra["distributed"] = _combine_ranks(layout, model, stats, findings)
     return Report.of(

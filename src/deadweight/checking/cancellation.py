@@ -57,6 +57,7 @@ from deadweight import autograd_graph
 from deadweight.checking import state
 from deadweight.checking.check_stats import Cancellation, Mechanism
 from deadweight.checking.sites import user_site
+from deadweight.distributed.ranks import local_tensor
 
 Tensor = torch.Tensor
 SCALE = 0
@@ -226,14 +227,28 @@ class StructureTracker:
     forwards and `opaque_call` for what it cannot see into; `result` reads it out.
     """
 
-    def __init__(self, params: dict[int, Tensor], names: dict[int, str]) -> None:
+    def __init__(
+        self,
+        params: dict[int, Tensor],
+        names: dict[int, str],
+        stand_ins: Callable[[], dict[int, Tensor]] | None = None,
+    ) -> None:
+        """`stand_ins`: where the forward computes with other leaves in place of the
+        parameters (FSDP2's unsharded copies), id(parameter) -> the leaf it uses now;
+        asked when an unknown parameter-like leaf first turns up."""
         self._index = {pid: i for i, pid in enumerate(params)}
+        self._stand_ins = stand_ins
+        self._strangers: set[int] = set()  # leaves known not to stand in for a parameter
         self._names = [names.get(pid, str(pid)) for pid in params]
         self.param_names = self._names
         self._entry: dict[int, Carrier] = {}
         self._carriers: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.absorbed: dict[int, list[Mechanism]] = {}
         self.opaque: set[int] = set()  # parameter indices
+        # The entities (parameter and kind) that reached a call the pass cannot see
+        # into: a scale cancelled before such a call still holds when only the
+        # parameter's shift went on into it (a norm, then Megatron's ColumnParallelLinear).
+        self._opaque_entities: set[int] = set()
         self.ordinals: dict[str, int] = {}
         self._current_module: Callable[[], str | None] = lambda: None
         self.failed: str | None = None  # an internal error switches the pass off
@@ -241,6 +256,9 @@ class StructureTracker:
         # autograd nodes, to check that every gradient path goes through them.
         self.outputs: dict[tuple[str, int], Tensor] = {}
         self.nodes: dict[tuple[str, int], Any] = {}
+        # entity -> the unit roundoff of the coarsest dtype that carried its pure effect
+        # (only those coarser than float32 are kept)
+        self._rounding: dict[int, float] = {}
 
     def set_module_lookup(self, current: Callable[[], str | None]) -> None:
         self._current_module = current
@@ -251,6 +269,8 @@ class StructureTracker:
             return _EMPTY
         pid = id(value)
         i = self._index.get(pid)
+        if i is None and self._stand_ins is not None and isinstance(value, torch.nn.Parameter):
+            i = self._stand_in_index(value)
         if i is not None and value.requires_grad:
             entry = self._entry.get(i)
             if entry is None:
@@ -261,15 +281,40 @@ class StructureTracker:
                         2 * i + SHIFT: Facet(SHIFT, dims, tag=next(_tags)),
                     }
                 )
+                self._coarsen(entry, value)
             return entry
         return self._carriers.get(value, _EMPTY)
+
+    def _stand_in_index(self, leaf: Tensor) -> int | None:
+        pid = id(leaf)
+        if pid in self._strangers or self._stand_ins is None:
+            return None
+        for sharded, now in self._stand_ins().items():
+            i = self._index.get(sharded)
+            if i is not None:
+                self._index.setdefault(id(now), i)
+        i = self._index.get(pid)
+        if i is None:
+            self._strangers.add(pid)
+        return i
 
     def _set(self, out: object, c: Carrier) -> None:
         if isinstance(out, Tensor):
             if c.lost or c.partial or c.pure:
                 self._carriers[out] = c
+                self._coarsen(c, out)
             elif out in self._carriers:
                 del self._carriers[out]
+
+    def _coarsen(self, c: Carrier, value: Tensor) -> None:
+        """Note that the pure effects of `c` now sit in `value`'s dtype."""
+        u = unit_roundoff(value.dtype)
+        if u <= _FLOAT32_ROUNDOFF or not c.pure:
+            return
+        rounding = self._rounding
+        for e in c.pure:
+            if rounding.get(e, 0.0) < u:
+                rounding[e] = u
 
     # -- called by the tracer -----------------------------------------------------
     def count(self, name: str) -> int:
@@ -293,16 +338,28 @@ class StructureTracker:
         carriers = [self.carrier(v) for v in _flat(args, kwargs)]
         carriers += [self.carrier(v) for v in inner]
         merged = _general(carriers)
-        for e in merged.lost | merged.partial:
-            self.opaque.add(e // 2)
+        self._opaque(merged.lost | merged.partial)
         for o in outputs:
             self._set(o, merged)
+
+    def pass_through(self, inputs: list[Tensor], outputs: list[Tensor]) -> None:
+        """A call that returns its tensor inputs unchanged, in order."""
+        if len(inputs) != len(outputs):
+            self.opaque_call(tuple(inputs), {}, outputs, ())
+            return
+        for i, o in zip(inputs, outputs, strict=True):
+            self._set(o, self.carrier(i))
 
     def opaque_params(self, params: Iterable[Any]) -> None:
         for p in params:
             i = self._index.get(id(p))
             if i is not None:
-                self.opaque.add(i)
+                self._opaque({2 * i + SCALE, 2 * i + SHIFT})
+
+    def _opaque(self, entities: Iterable[int]) -> None:
+        for e in entities:
+            self._opaque_entities.add(e)
+            self.opaque.add(e // 2)
 
     def _observe(
         self, func: Any, name: str, ordinal: int, args: tuple, kwargs: dict, out: Any
@@ -318,8 +375,7 @@ class StructureTracker:
         if rule is None:
             if _is_custom_op(func):
                 for c in carriers:
-                    for e in c.all_entities() | c.partial:
-                        self.opaque.add(e // 2)
+                    self._opaque(c.all_entities() | c.partial)
             merged = _general(carriers)
             for o in outs:
                 self._set(o, merged)
@@ -349,6 +405,10 @@ class StructureTracker:
                 dims=tuple(sorted(dims)),
                 facet="full" if full else "uniform",
                 approx=facet.approx or op in _EPS_OPS,
+                rounding=max(
+                    [self._rounding.get(entity, _FLOAT32_ROUNDOFF)]
+                    + [unit_roundoff(o.dtype) for o in _outputs(ctx.out)]
+                ),
             )
         )
         ctx.absorbed = True
@@ -360,7 +420,7 @@ class StructureTracker:
         cancellations: dict[str, Cancellation] = {}
         for e, mechanisms in self.absorbed.items():
             i, kind = divmod(e, 2)
-            if i in self.opaque or not has_grad(i):
+            if e in self._opaque_entities or not has_grad(i):
                 continue
             if e in at_loss.lost or e in at_loss.pure:
                 continue  # it reaches the loss in another way too
@@ -378,7 +438,9 @@ class StructureTracker:
         # Every path of the autograd graph from the loss to a candidate must pass one of
         # the ops that cancel it; a path around them is a use the pass did not see (a
         # call outside torch's API, a compiled region): then it is no candidate.
-        ids = {name: pid for pid, i in self._index.items() for name in [self._names[i]]}
+        ids: dict[str, list[int]] = {}
+        for pid, i in self._index.items():  # a parameter and the leaf standing in for it
+            ids.setdefault(self._names[i], []).append(pid)
         by_stop: dict[frozenset[Any], list[str]] = {}
         for name, c in cancellations.items():
             stop = frozenset(
@@ -389,9 +451,10 @@ class StructureTracker:
         for stop, names in by_stop.items():
             around = autograd_graph.walk([root], stop=stop).leaves if root is not None else {}
             for name in names:
-                if ids.get(name) in around:
+                pids = ids.get(name, [])
+                if any(pid in around for pid in pids):
                     del cancellations[name]
-                    influencing.add(self._index[ids[name]])
+                    influencing.add(self._index[pids[0]])
         influencing -= {i for i in influencing if self._names[i] in cancellations}
         # A parameter one of whose effects is cancelled everywhere is not "influencing"
         # through the other effect's plain dependence (that effect is not exact).
@@ -444,6 +507,20 @@ def _outputs(out: Any) -> list[Tensor]:
     return []
 
 
+_FLOAT32_ROUNDOFF = 2.0**-24
+_ROUNDOFF: dict[torch.dtype, float] = {}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the gap between 1 and the next number of `dtype` (its relative rounding
+    error); float32's for a dtype that is not floating (an index, a mask)."""
+    u = _ROUNDOFF.get(dtype)
+    if u is None:
+        u = float(torch.finfo(dtype).eps) / 2 if dtype.is_floating_point else _FLOAT32_ROUNDOFF
+        _ROUNDOFF[dtype] = u
+    return u
+
+
 def _is_custom_op(func: Any) -> bool:
     if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         namespace = getattr(func, "namespace", None) or str(func).split("::")[0].split(".")[-1]
@@ -462,11 +539,11 @@ def _first_shape(ctx: _Call) -> tuple[list[int], list[int]] | None:
 
 
 def _rule_same(ctx: _Call) -> Carrier:
-    """Elementwise, values kept (dtype casts, clone, contiguous)."""
+    """Elementwise, values kept (dtype casts, clone, contiguous). A tensor among the
+    other arguments (`x.type_as(y)`, `x.to(y)`) lends only its dtype and device: its
+    values, and the parameters behind them, do not reach the output (Gemma's RMSNorm
+    casts back with `output.type_as(x)`, x the normalized input itself)."""
     c = ctx.c(ctx.args[0]) if ctx.args else _EMPTY
-    others = [ctx.c(v) for v in list(_flat(ctx.args[1:], ctx.kwargs))]
-    if any(o.lost or o.pure or o.partial for o in others):
-        return _general([c, *others])
     shapes = _first_shape(ctx)
     if shapes is None or shapes[0] != shapes[1]:
         return _general([c])
@@ -1533,24 +1610,40 @@ def relative_change(a: Tensor, b: Tensor) -> float:
     return diff / denom if denom > 0 else (0.0 if diff == 0 else math.inf)
 
 
-# A cancelled shift is exact: what is left is rounding in the op, of the order of its
-# dtype's eps (1.2e-7 for float32) times the size of the shift against the values;
-# 2e-4 leaves room for shifts 1000x the values and still sits 50x under the 1e-2 that
-# a real but weak shift influence of a freshly initialised layer showed. Half
-# precision outputs get 8 of their own eps (bf16: 0.06).
+# A cancelled shift is exact: what is left is rounding, of the order of the unit
+# roundoff of the coarsest dtype on the way (2^-24 for float32) times the size of the
+# shift against the values; 2e-4 leaves room for shifts 1000x the values and still sits
+# 50x under the 1e-2 that a real but weak shift influence of a freshly initialised
+# layer showed. A path through half precision gets 16 of its unit roundoffs (bfloat16:
+# 0.0625, float16: 0.0078): x + c rounded to bf16 loses x's low bits, and the op
+# amplifies that by |x + c| / std(x).
 SHIFT_TOLERANCE = 2e-4
-# A cancelled scale leaves the op's eps residue, about eps / (2 var(x)) relative,
-# which the growth x10 -> x100 shrinks ~100x; a weak real influence grows 10-170x.
-# So: invariant when x10 changed the output by at most SCALE_RESIDUE and x100 added
-# at most GROWTH of that (or rounding).
+HALF_ROUNDOFFS = 16
+# Scale candidates are multiplied by powers of two. Binary floating point rounds
+# 2^k * x exactly as it rounds x, so through every op that carries a scale (products,
+# sums, means, matmuls, convolutions, casts) the cancelling op sees its input scaled
+# exactly, in any dtype: what is left of the change in its output is its own eps
+# residue (about eps / 2 var(x)) and the rounding of its own output, never rounding
+# noise of a bfloat16 path. x16 first (2^4), then x256 (the exponents doubled).
+SCALE_EXPONENT = 4
+# A cancelled scale leaves the op's eps residue, which the growth x16 -> x256 shrinks
+# ~256x (the residue goes as 1 / lambda^2); a weak real influence grows 10-170x. So:
+# invariant when x16 changed the output by at most SCALE_RESIDUE and x256 added at
+# most GROWTH of that, or nothing beyond rounding.
 SCALE_RESIDUE = 0.05
 GROWTH = 0.25
 
 
-def tolerance(t: Tensor) -> float:
-    if t.dtype in (torch.float16, torch.bfloat16):
-        return max(SHIFT_TOLERANCE, 8 * float(torch.finfo(t.dtype).eps))
-    return SHIFT_TOLERANCE
+def tolerance(t: Tensor, rounding: float = _FLOAT32_ROUNDOFF) -> float:
+    """How much `t`, an op's output, may change in a re-run and count as unchanged:
+    the rounding of its own dtype, or of a coarser one on the way (`rounding`)."""
+    u = max(unit_roundoff(t.dtype), rounding)
+    return max(SHIFT_TOLERANCE, HALF_ROUNDOFFS * u) if u > _FLOAT32_ROUNDOFF else SHIFT_TOLERANCE
+
+
+def _mechanism_tolerance(m: Mechanism, kind: str, base: Tensor) -> float:
+    # A scale reaches the op exactly (powers of two): only the op's own output rounds.
+    return tolerance(base, m.rounding if kind == "shift" else _FLOAT32_ROUNDOFF)
 
 
 @dataclass
@@ -1559,77 +1652,172 @@ class _Probe:
     param: Tensor
     cancellation: Cancellation
 
+    def op_keys(self) -> list[tuple[str, int]]:
+        return [(m.call, m.ordinal) for m in self.cancellation.mechanisms]
+
+
+Outputs = dict[tuple[str, int], Tensor]
+Rerun = Callable[[set[tuple[str, int]]], tuple[float | None, Outputs] | None]
+# Under FSDP2 every rank re-runs its own batch: each measured change is agreed on (the
+# largest over the ranks), so all ranks take the same decisions and re-runs.
+Agree = Callable[[list[float]], list[float]]
+# Groups of would-be warnings (every direction cancelled) confirmed by one re-run.
+GROUP = 16
+NOT_SEEN = "the cancelling op was not seen again in the re-run"
+
 
 def confirm(
     cancellations: dict[str, Cancellation],
     params: dict[str, Tensor],
-    baseline: dict[tuple[str, int], Tensor],
-    rerun: Callable[
-        [set[tuple[str, int]]], tuple[float | None, dict[tuple[str, int], Tensor]] | None
-    ],
+    baseline: Outputs,
+    rerun: Rerun,
     loss: float | None,
     seed: int = 0,
+    agree: Agree | None = None,
 ) -> dict[str, Cancellation]:
     """Re-run the forward with the candidates perturbed; keep what the cancelling ops say.
 
     Every candidate is changed at once, each by a different amount (joint-only
-    cancellations then do not pass): scale candidates by x10 (their full facet by a
-    random factor in [3, 10] per entry; candidates that one op cancels together split
-    the x10 between them), shift candidates by c = 10 x their RMS (10 for an all-zero
-    one; full facet: c times a random sign per entry). A candidate holds when every
-    op that cancels it gave the same output within rounding; a scale whose op output
-    moved by an eps-sized amount gets a second point (x100, or the factors squared)
-    and holds when the change shrank (see the tolerances above). A group in which something failed is
-    split in halves until each candidate stands alone, within a bounded number of
-    re-runs. `rerun(targets)` re-runs the loss under no_grad on the checked run's RNG
-    state and returns (loss, captured outputs), or None when it cannot.
+    cancellations then do not pass): scale candidates by x16 (their full facet by a
+    random x16 or x32 per entry; candidates that one op cancels together get x2 and x4
+    in turn, so that the op does not see 16^n), shift candidates by c = 10 x their RMS
+    (10 for an all-zero one; full facet: c times a random sign per entry). A candidate
+    holds when every op that cancels it gave the same output within rounding; a scale
+    whose op output moved by an eps-sized amount gets a second point (x256, every
+    exponent doubled) and holds when the change shrank (see the tolerances above). A
+    group in which something failed is split in halves until each candidate stands
+    alone, within a bounded number of re-runs. `rerun(targets)` re-runs the loss under
+    no_grad on the checked run's RNG state and returns (loss, captured outputs), or
+    None when it cannot. `agree` combines each rank's measured changes (FSDP2).
     """
     probes = [_Probe(n, params[n], c) for n, c in cancellations.items() if n in params]
     if not probes:
         return dict(cancellations)
-    generator = torch.Generator().manual_seed(seed)
-    directions = {p.name: _direction(p, generator) for p in probes}
-    out: dict[str, Cancellation] = dict(cancellations)
-    budget = [2 * 4 + 2 * len(probes)]
+    return _Confirmation(probes, baseline, rerun, loss, seed, agree).settle_all(cancellations)
 
-    def exponents(group: list[_Probe]) -> dict[str, float]:
-        """Each scale member's share of the x10: members that one op cancels together
-        (a chain of scalars before one norm) split it, so that the op sees x10 and
-        x100 in all, not 10^16, each by a different amount."""
-        spread = {p.name: 1.0 + 0.25 * (k % 8) for k, p in enumerate(group)}
-        sharing: dict[tuple[str, int], list[str]] = {}
-        for p in group:
-            if p.cancellation.kind == "scale":
-                for m in p.cancellation.mechanisms:
-                    sharing.setdefault((m.call, m.ordinal), []).append(p.name)
-        share: dict[str, float] = {}
-        for p in group:
-            if p.cancellation.kind != "scale":
-                continue
-            widest = max((sharing[(m.call, m.ordinal)] for m in p.cancellation.mechanisms), key=len)
-            share[p.name] = spread[p.name] / sum(spread[n] for n in widest)
-        return share
 
-    def run(
-        group: list[_Probe], step: int
-    ) -> tuple[float | None, dict[tuple[str, int], Tensor]] | None:
-        if budget[0] <= 0:
+class _Confirmation:
+    """The re-runs of one `confirm`: perturb, re-run, measure, judge, split."""
+
+    def __init__(
+        self,
+        probes: list[_Probe],
+        baseline: Outputs,
+        rerun: Rerun,
+        loss: float | None,
+        seed: int,
+        agree: Agree | None,
+    ) -> None:
+        self.probes = probes
+        self.baseline = baseline
+        self.rerun = rerun
+        self.loss = loss
+        self.agree: Agree = agree or (lambda values: values)
+        generator = torch.Generator().manual_seed(seed)
+        self.exponents = _scale_exponents(probes, generator)
+        self.shifts = {
+            p.name: _shift(p, generator) for p in probes if p.cancellation.kind == "shift"
+        }
+        self.budget = 2 * 4 + 2 * len(probes)  # re-runs left: 9 + 2 per candidate in all
+        self.out: dict[str, Cancellation] = {}
+
+    def settle_all(self, cancellations: dict[str, Cancellation]) -> dict[str, Cancellation]:
+        self.out = dict(cancellations)
+        # Would-be warnings (every direction cancelled) in groups of 16; free norms, which
+        # can only ever be info, all in one group.
+        full = [p for p in self.probes if p.cancellation.full]
+        for start in range(0, len(full), GROUP):
+            self.settle(full[start : start + GROUP])
+        free = [p for p in self.probes if not p.cancellation.full]
+        if free:
+            self.settle(free)
+        self.unless_reproducible([p for p in self.probes if self.out[p.name].confirmed is False])
+        return self.out
+
+    def settle(self, group: list[_Probe]) -> None:
+        found = self.verdicts(group)
+        if found is None:
+            for p in group:
+                self.out[p.name] = replace(
+                    p.cancellation, confirmed=None, evidence={"probe": "not run"}
+                )
+            return
+        if all(ok for ok, _ in found.values()) or len(group) == 1:
+            for p in group:
+                ok, evidence = found[p.name]
+                self.out[p.name] = replace(p.cancellation, confirmed=ok, evidence=evidence)
+            return
+        half = len(group) // 2
+        self.settle(group[:half])
+        self.settle(group[half:])
+
+    def verdicts(self, group: list[_Probe]) -> dict[str, tuple[bool, dict[str, Any]]] | None:
+        first = self.run(group, 0)
+        if first is None:
             return None
-        budget[0] -= 1
+        change1 = self.changes(group, first[1], self.baseline)
+        # Unchanged within rounding at x16 settles a scale; only an eps-sized change
+        # needs the second point, to see it shrink rather than grow.
+        needs_second = any(
+            p.cancellation.kind == "scale"
+            and any(
+                c > _mechanism_tolerance(m, "scale", self.baseline[k])
+                for m, k, c in zip(
+                    p.cancellation.mechanisms, p.op_keys(), change1[p.name], strict=True
+                )
+                if k in self.baseline
+            )
+            for p in group
+        )
+        change2 = None
+        if needs_second:
+            second = self.run(group, 1)
+            if second is not None:
+                change2 = self.changes(group, second[1], first[1])
+        return {
+            p.name: _judge(
+                p,
+                self.baseline,
+                change1[p.name],
+                None if change2 is None else change2[p.name],
+                _relative(first[0], self.loss),
+            )
+            for p in group
+        }
+
+    def changes(
+        self, group: list[_Probe], outputs: Outputs, reference: Outputs
+    ) -> dict[str, list[float]]:
+        """Per candidate, the relative change of each cancelling op's output (inf where
+        the op was not seen), agreed on by the ranks."""
+        flat = [
+            relative_change(outputs[k], reference[k])
+            if k in outputs and k in reference
+            else math.inf
+            for p in group
+            for k in p.op_keys()
+        ]
+        agreed = iter(self.agree(flat))
+        return {p.name: [next(agreed) for _ in p.op_keys()] for p in group}
+
+    def run(self, group: list[_Probe], step: int) -> tuple[float | None, Outputs] | None:
+        """The forward re-run with `group` perturbed (the first point, or the second at
+        `step` 1), its parameters put back bitwise afterwards."""
+        if self.budget <= 0:
+            return None
+        self.budget -= 1
         saved = [p.param.detach().clone() for p in group]
         versions = state.versions_of([p.param for p in group])
-        share = exponents(group)
         try:
             with torch.no_grad():
                 for k, p in enumerate(group):
-                    d = directions[p.name]
+                    local = local_tensor(p.param)  # a shard of an FSDP2 parameter
                     if p.cancellation.kind == "scale":
-                        power = share[p.name] * (step + 1)
-                        p.param.mul_(d**power if isinstance(d, Tensor) else 10.0**power)
+                        local.mul_(_power_of_two(self.exponents[p.name] * (step + 1), local))
                     else:
-                        p.param.add_(d * (1.0 + 0.25 * (k % 8)))
-            targets = {(m.call, m.ordinal) for p in group for m in p.cancellation.mechanisms}
-            return rerun(targets or set(baseline))
+                        local.add_(self.shifts[p.name] * (1.0 + 0.25 * (k % 8)))
+            targets = {k for p in group for k in p.op_keys()}
+            return self.rerun(targets or set(self.baseline))
         finally:
             with torch.no_grad():
                 for p, s in zip(group, saved, strict=True):
@@ -1638,143 +1826,120 @@ def confirm(
             # own forward may have saved these parameters)
             state.set_versions([p.param for p in group], versions)
 
-    def verdicts(group: list[_Probe]) -> dict[str, tuple[bool, dict[str, Any]]] | None:
-        first = run(group, 0)
-        if first is None:
-            return None
-        # Unchanged within rounding at x10 settles a scale; only an eps-sized change
-        # needs the second point, to see it shrink rather than grow.
-        needs_second = any(
-            p.cancellation.kind == "scale" and not _unchanged(p, baseline, first) for p in group
+    def unless_reproducible(self, refuted: list[_Probe]) -> None:
+        """Before trusting a refutation, make sure an unchanged re-run reproduces the
+        checked forward: a loss_fn that draws a new batch (or a model with randomness
+        outside torch's RNG) cannot confirm anything either way."""
+        if not refuted:
+            return
+        self.budget += 1
+        again = self.run([], 0)
+        keys = [k for p in refuted for k in p.op_keys() if k in self.baseline]
+        moved = self.agree(
+            [
+                relative_change(again[1][k], self.baseline[k]) if k in again[1] else math.inf
+                for k in keys
+            ]
+            if again is not None
+            else [math.inf] * len(keys)
         )
-        second = run(group, 1) if needs_second else None
-        result: dict[str, tuple[bool, dict[str, Any]]] = {}
-        for p in group:
-            ok, evidence = _judge(p, baseline, first, second, loss)
-            result[p.name] = (ok, evidence)
-        return result
-
-    def settle(group: list[_Probe]) -> None:
-        found = verdicts(group)
-        if found is None:
-            for p in group:
-                out[p.name] = replace(p.cancellation, confirmed=None, evidence={"probe": "not run"})
-            return
-        if all(ok for ok, _ in found.values()) or len(group) == 1:
-            for p in group:
-                ok, evidence = found[p.name]
-                out[p.name] = replace(p.cancellation, confirmed=ok, evidence=evidence)
-            return
-        half = len(group) // 2
-        settle(group[:half])
-        settle(group[half:])
-
-    # Would-be warnings (every direction cancelled) in groups of 16; free norms, which
-    # can only ever be info, all in one group.
-    full = [p for p in probes if p.cancellation.full]
-    for start in range(0, len(full), 16):
-        settle(full[start : start + 16])
-    free = [p for p in probes if not p.cancellation.full]
-    if free:
-        settle(free)
-    refuted = [p for p in probes if out[p.name].confirmed is False]
-    if refuted:
-        # Before trusting a refutation, make sure an unchanged re-run reproduces the
-        # checked forward: a loss_fn that draws a new batch (or a model with
-        # randomness outside torch's RNG) cannot confirm anything either way.
-        budget[0] += 1
-        again = run([], 0)
-        keys = {(m.call, m.ordinal) for p in refuted for m in p.cancellation.mechanisms}
-        if again is None or any(
-            k not in again[1] or relative_change(again[1][k], baseline[k]) > tolerance(baseline[k])
-            for k in keys
-            if k in baseline
+        if again is not None and all(
+            change <= tolerance(self.baseline[k]) for k, change in zip(keys, moved, strict=True)
         ):
-            for p in refuted:
-                out[p.name] = replace(
-                    out[p.name],
-                    confirmed=None,
-                    evidence={
-                        "probe": "not reproducible: re-running loss_fn unchanged gave other "
-                        "outputs; make it use one fixed batch"
-                    },
-                )
-    return out
-
-
-def _direction(p: _Probe, generator: torch.Generator) -> Tensor | float:
-    t = p.param.detach()
-    c = p.cancellation
-    if c.kind == "scale":
-        if c.full and t.numel() > 1:
-            log = torch.empty(t.shape, dtype=torch.float64).uniform_(
-                math.log(3), math.log(10), generator=generator
+            return
+        for p in refuted:
+            self.out[p.name] = replace(
+                self.out[p.name],
+                confirmed=None,
+                evidence={
+                    "probe": "not reproducible: re-running loss_fn unchanged gave other "
+                    "outputs; make it use one fixed batch"
+                },
             )
-            return log.exp().to(t.dtype).to(t.device)
-        return 10.0
+
+
+def _relative(value: float | None, reference: float | None) -> float | None:
+    if value is None or reference is None:
+        return None
+    return abs(value - reference) / max(abs(reference), 1e-12)
+
+
+def _scale_exponents(probes: list[_Probe], generator: torch.Generator) -> dict[str, Any]:
+    """The power of two each scale candidate is multiplied by at the first point (an
+    int, or an int tensor for a full facet: each entry its own, 2^4 or 2^5).
+
+    Candidates that one op cancels together (a chain of scalars before one norm) would
+    multiply the op's input by 16^n; they get 2^1 and 2^2 in turn instead, each a
+    different amount from its neighbour, by their place among the widest such set."""
+    sharing: dict[tuple[str, int], list[str]] = {}
+    scale = [p for p in probes if p.cancellation.kind == "scale"]
+    for p in scale:
+        for m in p.cancellation.mechanisms:
+            sharing.setdefault((m.call, m.ordinal), []).append(p.name)
+    exponents: dict[str, Any] = {}
+    for p in scale:
+        widest = max((sharing[(m.call, m.ordinal)] for m in p.cancellation.mechanisms), key=len)
+        base = SCALE_EXPONENT if len(widest) == 1 else 1 + widest.index(p.name) % 2
+        t = local_tensor(p.param.detach())
+        if p.cancellation.full and t.numel() > 1:
+            jitter = torch.randint(0, 2, t.shape, generator=generator)
+            exponents[p.name] = (jitter + base).to(t.device)
+        else:
+            exponents[p.name] = base
+    return exponents
+
+
+def _power_of_two(exponent: Any, like: Tensor) -> Tensor | float:
+    if isinstance(exponent, Tensor):
+        ones = torch.ones(exponent.shape, dtype=torch.float32, device=like.device)
+        return torch.ldexp(ones, exponent).to(like.dtype)
+    return 2.0**exponent
+
+
+def _shift(p: _Probe, generator: torch.Generator) -> Tensor | float:
+    t = local_tensor(p.param.detach())
     rms = float(t.double().pow(2).mean().sqrt()) if t.numel() else 0.0
     step = 10.0 * rms if rms > 0 else 10.0
-    if c.full and t.numel() > 1:
+    if p.cancellation.full and t.numel() > 1:
         signs = torch.randint(0, 2, t.shape, generator=generator).to(torch.float64) * 2 - 1
         return (signs * step).to(t.dtype).to(t.device)
     return step
 
 
-def _unchanged(
-    p: _Probe,
-    baseline: dict[tuple[str, int], Tensor],
-    first: tuple[float | None, dict[tuple[str, int], Tensor]],
-) -> bool:
-    for m in p.cancellation.mechanisms:
-        key = (m.call, m.ordinal)
-        base, got = baseline.get(key), first[1].get(key)
-        if base is None or got is None or relative_change(got, base) > tolerance(base):
-            return False
-    return True
-
-
 def _judge(
     p: _Probe,
-    baseline: dict[tuple[str, int], Tensor],
-    first: tuple[float | None, dict[tuple[str, int], Tensor]],
-    second: tuple[float | None, dict[tuple[str, int], Tensor]] | None,
-    loss: float | None,
+    baseline: Outputs,
+    change1: list[float],
+    change2: list[float] | None,
+    loss_change: float | None,
 ) -> tuple[bool, dict[str, Any]]:
-    keys = [(m.call, m.ordinal) for m in p.cancellation.mechanisms]
-    evidence: dict[str, Any] = {}
-    changes1, changes2, tols = [], [], []
-    for key in keys:
-        base = baseline.get(key)
-        got = first[1].get(key)
-        if base is None or got is None:
-            return False, {"probe": "the cancelling op was not seen again in the re-run"}
-        changes1.append(relative_change(got, base))
-        tols.append(tolerance(base))
-        if second is not None:
-            got2 = second[1].get(key)
-            if got2 is None:
-                return False, {"probe": "the cancelling op was not seen again in the re-run"}
-            changes2.append(relative_change(got2, got))
-    worst1 = max(changes1)
-    tol = max(tols)
-    loss_change = None
-    if loss is not None and first[0] is not None:
-        loss_change = abs(first[0] - loss) / max(abs(loss), 1e-12)
+    """Whether the changes of the ops that cancel `p` (first point; second point
+    against the first) say it holds, with the evidence."""
+    if not all(math.isfinite(c) for c in change1) or (
+        change2 is not None and not all(math.isfinite(c) for c in change2)
+    ):
+        return False, {"probe": NOT_SEEN}
+    tol = max(
+        _mechanism_tolerance(m, p.cancellation.kind, baseline[k])
+        for m, k in zip(p.cancellation.mechanisms, p.op_keys(), strict=True)
+    )
+    worst1 = max(change1)
+    evidence: dict[str, Any]
     if p.cancellation.kind == "shift":
         evidence = {"probe": "+shift", "op_output_change": worst1, "tolerance": tol}
         ok = worst1 <= tol
     else:
         per_entry = p.cancellation.full and p.param.numel() > 1
         evidence = {
-            "probe": ("x[3..10] per entry" if per_entry else "x10")
-            + (", squared" if per_entry and second is not None else "")
-            + (", x100" if not per_entry and second is not None else ""),
+            "probe": ("x16 or x32 per entry" if per_entry else "x16")
+            + (", squared" if per_entry and change2 is not None else "")
+            + (", x256" if not per_entry and change2 is not None else ""),
             "op_output_change": worst1,
         }
-        if second is None:
+        if change2 is None:
             ok = worst1 <= tol
         else:
-            worst2 = max(changes2) if changes2 else math.inf
+            worst2 = max(change2)
             evidence["op_output_growth"] = worst2
             ok = worst2 <= tol or (worst1 <= SCALE_RESIDUE and worst2 <= GROWTH * worst1)
     if loss_change is not None:

@@ -129,6 +129,10 @@ class Mechanism:
     dims: tuple[int, ...]  # the dims it normalizes over
     facet: str  # "full" or "uniform"
     approx: bool  # the cancellation holds up to the op's eps
+    # The unit roundoff of the coarsest floating dtype the effect passed through on its
+    # way to the op, the op's output included (2^-24 float32, 2^-8 bfloat16, 2^-11
+    # float16): the resolution at which a re-run can see the op's output unchanged.
+    rounding: float = 2.0**-24
 
     def describe(self) -> str:
         """ "LayerNorm in module ln_f at model.py:88 in GPT.forward"."""

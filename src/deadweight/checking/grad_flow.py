@@ -8,9 +8,11 @@ the rules.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,7 @@ from deadweight.checking import cancellation, invariance, sharded_flow
 from deadweight.checking import gates as gates_module
 from deadweight.checking.cancellation import StructureTracker
 from deadweight.checking.check_stats import (
+    FLOAT32_EPS,
     Cancellation,
     Cut,
     GradFlowStats,
@@ -98,17 +101,18 @@ class _Run:
     shards: distributed.Shards | None
     names_by_id: dict[int, str] = field(init=False)
     trainable: list[tuple[str, nn.Parameter]] = field(init=False)
-    # FSDP2's forward uses unsharded stand-ins for the parameters, which the structure
-    # pass would not recognise: there the numerical screens decide alone.
+    # FSDP2's forward uses unsharded stand-ins for the parameters: the structure pass
+    # asks FSDP2 which stand-in is which parameter's when one turns up.
     structure: StructureTracker | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.names_by_id = {id(p): n for n, p in self.named}
         self.trainable = [(n, p) for n, p in self.named if p.requires_grad]
-        self.structure = (
-            StructureTracker({id(p): p for _, p in self.trainable}, self.names_by_id)
-            if self.shards is None
-            else None
+        model = self.model
+        self.structure = StructureTracker(
+            {id(p): p for _, p in self.trainable},
+            self.names_by_id,
+            stand_ins=(lambda: distributed.fsdp2_unsharded(model)) if self.shards else None,
         )
 
 
@@ -255,36 +259,75 @@ class _Probed:
 
 def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probed:
     """Gradient statistics, then the structure pass's candidates confirmed and the
-    numerical screens' candidates probed by re-running the forward."""
+    numerical screens' candidates probed by re-running the forward. Under FSDP2 the
+    statistics are the whole parameters' and every re-run is made by all ranks
+    together (`sharded_flow`)."""
     loss = traced.loss
     value = float(loss.detach().float().item())
-    loss_eps = float(torch.finfo(loss.dtype).eps) if loss.is_floating_point() else 0.0
+    loss_eps = _screen_eps(loss)
     rerun = invariance.rerun_of(run.loss_fn, guard)
+    capturing = _capturing_rerun(run.loss_fn, guard)
+    agree: cancellation.Agree | None = None
+    failed = flow.error is not None
     if run.shards is not None:
-        value, stats, probes, note = sharded_flow.probe(
-            run.model, run.shards, run.trainable, flow, value, loss_eps, rerun
+        value, stats, failed = sharded_flow.whole_statistics(run.shards, run.trainable, flow, value)
+        rerun = sharded_flow.on_all_ranks(run.model, run.shards, rerun)
+        capturing = sharded_flow.capturing_on_all_ranks(run.model, run.shards, capturing)
+        agree = sharded_flow.agreement(run.shards)
+    else:
+        with_grad = [(n, p) for n, p in run.trainable if p.grad is not None]
+        stats = dict(
+            zip(
+                [n for n, _ in with_grad],
+                invariance.grad_stats([p for _, p in with_grad]),
+                strict=True,
+            )
         )
-        everything = frozenset(n for n, _ in run.trainable)
-        return _Probed(
-            value, loss_eps, stats, probes, note, _Structural({}, frozenset(), everything, None)
-        )
-    with_grad = [(n, p) for n, p in run.trainable if p.grad is not None]
-    stats = dict(
-        zip(
-            [n for n, _ in with_grad],
-            invariance.grad_stats([p for _, p in with_grad]),
-            strict=True,
-        )
-    )
-    runnable = flow.error is None and math.isfinite(value)
+    with_grad = [(n, p) for n, p in run.trainable if n in stats]
+    runnable = not failed and math.isfinite(value)
     structural = _structure_verdict(
-        run.structure, loss, with_grad, stats, run.loss_fn, guard, value, runnable
+        run.structure, loss, with_grad, stats, capturing, value, runnable, agree
     )
     screened = [(n, p) for n, p in with_grad if n in structural.unstructured]
-    probes, note = invariance.probe(screened, stats, value, loss_eps, rerun, runnable=runnable)
-    return _Probed(
-        value, loss_eps, stats, probes, note, structural, _gates_at_init(loss, with_grad, stats)
-    )
+    if screened and _half(loss):
+        structural = dataclasses.replace(
+            structural,
+            note="; ".join(
+                n
+                for n in (
+                    structural.note,
+                    f"{len(screened)} parameter(s) reach the {str(loss.dtype).removeprefix('torch.')} "
+                    "loss through ops deadweight cannot see into: their numerical screens are "
+                    "judged at float32's resolution, so a cancellation there can go unseen; "
+                    "check once with the model in float32 to be sure",
+                )
+                if n
+            ),
+        )
+    if run.shards is not None:
+        probes, note = sharded_flow.screens(screened, stats, value, loss_eps, rerun, runnable)
+        gated: dict[str, tuple[str, ...]] = {}  # the gates' walk reads local gradients
+    else:
+        probes, note = invariance.probe(screened, stats, value, loss_eps, rerun, runnable)
+        gated = _gates_at_init(loss, with_grad, stats)
+    return _Probed(value, loss_eps, stats, probes, note, structural, gated)
+
+
+def _half(loss: torch.Tensor) -> bool:
+    return loss.dtype in (torch.float16, torch.bfloat16)
+
+
+def _screen_eps(loss: torch.Tensor) -> float:
+    """The resolution the numerical screens judge the loss at: its dtype's, but never
+    coarser than float32's. A bfloat16 loss rounds to 2^-8 of itself, far coarser than
+    the gradients and activations behind it (computed with float32 accumulators): at
+    its own resolution, 16 of its ulps (12% of the loss) would call healthy small
+    gradients noise, and 32 would pass a 25% change of the loss as none. Judged at
+    float32's, half precision errs the other way: a cancellation that only these
+    screens can see may go unseen, and the report says so."""
+    if not loss.is_floating_point():
+        return 0.0
+    return min(float(torch.finfo(loss.dtype).eps), FLOAT32_EPS)
 
 
 def _gates_at_init(
@@ -382,17 +425,24 @@ def _structure_verdict(
     loss: torch.Tensor,
     with_grad: list[tuple[str, nn.Parameter]],
     stats: dict[str, GradStats],
-    loss_fn: LossFn,
-    guard: Any,
+    rerun: cancellation.Rerun,
     value: float,
     runnable: bool,
+    agree: cancellation.Agree | None,
 ) -> _Structural:
     """The structure pass's candidates, each confirmed by re-running the forward."""
     names = frozenset(n for n, _ in with_grad)
-    if structure is None or structure.failed is not None:
+    found = None
+    if structure is not None and structure.failed is None:
+        found = structure.result(loss, lambda i: structure.param_names[i] in names)
+    if agree is not None and not _ranks_agree(found, agree):
+        # Each rank ran its own batch, and the ranks' passes did not conclude alike (a
+        # data-dependent route, a failure on one rank): the numerical screens decide,
+        # from statistics every rank shares.
+        return _Structural({}, frozenset(), names, "structure pass off: the ranks disagree")
+    if structure is None or found is None:
         note = f"structure pass off: {structure.failed}" if structure is not None else None
         return _Structural({}, frozenset(), names, note)
-    found = structure.result(loss, lambda i: structure.param_names[i] in names)
     candidates = {n: c for n, c in found.cancellations.items() if n in stats}
     note = None
     if candidates and runnable:
@@ -401,8 +451,9 @@ def _structure_verdict(
             candidates,
             params,  # type: ignore[arg-type]
             structure.outputs,
-            _capturing_rerun(loss_fn, guard),
+            rerun,
             value,
+            agree=agree,
         )
         if any("not reproducible" in str(c.evidence.get("probe")) for c in candidates.values()):
             note = (
@@ -412,6 +463,18 @@ def _structure_verdict(
     elif candidates:
         note = "structural candidates not confirmed: the loss is not finite or backward failed"
     return _Structural(candidates, found.influencing, found.opaque & names, note)
+
+
+def _ranks_agree(found: cancellation.StructureResult | None, agree: cancellation.Agree) -> bool:
+    """Whether every rank's structure pass found the same candidates and opaque
+    parameters (a checksum of the names, compared by one reduction)."""
+    if found is None:
+        key = -1.0
+    else:
+        text = "\n".join([*sorted(found.cancellations), "", *sorted(found.opaque)])
+        key = float(zlib.crc32(text.encode("utf-8", "surrogatepass")))
+    largest, negated_smallest = agree([key, -key])
+    return largest == -negated_smallest
 
 
 def _capturing_rerun(

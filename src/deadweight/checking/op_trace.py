@@ -120,6 +120,14 @@ class _FunctionCall:
     inner_params: list[Tensor] = field(default_factory=list)
 
 
+# autograd.Functions whose forward returns its tensor inputs unchanged, in order: the
+# structure pass carries each input's effects to its output (FSDP2 wraps every sharded
+# module's inputs in one, to hook its backward).
+PASS_THROUGH_FUNCTIONS = frozenset(
+    {"torch.distributed.fsdp._fully_shard._fsdp_param_group.RegisterPostBackwardFunction"}
+)
+
+
 class OpTracer(TorchFunctionMode):
     """Use as a context manager around the user's forward; read `events` afterwards."""
 
@@ -325,10 +333,13 @@ class OpTracer(TorchFunctionMode):
             if isinstance(root, Tensor):
                 self.leaves_inside_functions[id(root)] = root
         outputs = list(tensors_in(out))
-        if self._structure is not None:
-            # The pass cannot see into a Function: what comes out depends on all it used.
-            self._structure.opaque_call(args, kwargs, outputs, call.inner_params)
         name = f"{cls.__module__}.{cls.__qualname__}"
+        if self._structure is not None:
+            if name in PASS_THROUGH_FUNCTIONS and not call.inner_params:
+                self._structure.pass_through(list(tensors_in((args, kwargs))), outputs)
+            else:
+                # The pass cannot see into a Function: what comes out depends on all it used.
+                self._structure.opaque_call(args, kwargs, outputs, call.inner_params)
         for o in outputs:
             if o.grad_fn is not None and o.grad_fn not in self.node_origins:
                 self._remember_node(o.grad_fn, name)

@@ -1,9 +1,12 @@
 """Gradient flow on sharded parameters (FSDP2, DTensor): every rank measures together.
 
-`measure_grad_flow` calls in here twice when the model holds DTensor parameters:
-after the forward, to name the unsharded stand-ins the forward used
-(`stand_ins`), and in place of the single-process probes (`probe`). Nothing here
-runs for a model in one process.
+`measure_grad_flow` calls in here when the model holds DTensor parameters: after
+the forward, to name the unsharded stand-ins the forward used (`stand_ins`); then
+for the whole parameters' statistics (`whole_statistics`), and for re-runs of the
+loss that every rank makes together, to confirm the structure pass's candidates
+(`capturing_on_all_ranks`, each measured change agreed on by `agreement`) and to
+probe the rest (`on_all_ranks`, `screens`). Nothing here runs for a model in one
+process.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from deadweight.checking import invariance
+from deadweight.checking import cancellation, invariance
 from deadweight.checking.check_stats import GradStats, ProbeResult
 from deadweight.distributed import ranks as distributed
 from deadweight.errors import CollectiveError
@@ -34,54 +37,26 @@ def stand_ins(model: nn.Module, names_by_id: dict[int, str]) -> dict[int, torch.
     return unsharded
 
 
-def probe(
-    model: nn.Module,
+def whole_statistics(
     shards: distributed.Shards,
     trainable: list[tuple[str, nn.Parameter]],
     flow: _Flow,
     value: float,
-    loss_eps: float,
-    local_rerun: Callable[[], float | None],
-) -> tuple[float, dict[str, GradStats], dict[tuple[str, str], ProbeResult], str | None]:
-    """The whole parameters' statistics and the loss of the whole batch (`flow`'s
-    gradient presence and reach become "on any rank"), then the functional probes
-    run by every rank together: the same candidates in the same order everywhere."""
-    value, stats, backward_failed = _sum_over_shards(
+) -> tuple[float, dict[str, GradStats], bool]:
+    """The whole parameters' gradient statistics, the loss of the whole batch and
+    whether backward failed on any rank, in one collective; `flow`'s gradient
+    presence and reach become "on any rank"."""
+    return _sum_over_shards(
         shards, trainable, flow.has_grad, flow.reached, value, flow.error is not None
     )
-    probes, note = _probe_all_ranks(
-        model,
-        shards,
-        [(n, p) for n, p in trainable if flow.has_grad[id(p)]],
-        stats,
-        value,
-        loss_eps,
-        local_rerun,
-        runnable=not backward_failed and math.isfinite(value),
-    )
-    return value, stats, probes, note
 
 
-def _probe_all_ranks(
-    model: nn.Module,
-    shards: distributed.Shards,
-    with_grad: list[tuple[str, nn.Parameter]],
-    stats: dict[str, GradStats],
-    loss: float,
-    loss_eps: float,
-    local_rerun: Callable[[], float | None],
-    runnable: bool,
-) -> tuple[dict[tuple[str, str], ProbeResult], str | None]:
-    """The functional probes on DTensor parameters, run by every rank together.
-
-    A probe writes to the sharded parameters in place (as an optimizer step does) and
-    re-runs the loss, whose forward all-gathers them. Each rerun's loss is the mean
-    of the ranks' losses (the loss of the whole batch, as the checked one), from one
-    all-reduce of two numbers; a rank whose loss_fn raises or gives a non-finite loss
-    makes the probe impossible on every rank. A rank that fails inside its forward,
-    before FSDP2's own collectives, holds the others there until the process
-    group's timeout; deadweight's collective then fails within its own.
-    """
+def on_all_ranks(
+    model: nn.Module, shards: distributed.Shards, local_rerun: Callable[[], float | None]
+) -> Callable[[], float | None]:
+    """A re-run of the loss made by every rank together: the shards as they are now are
+    gathered afresh, and the result is the mean of the ranks' losses (None on every
+    rank when one rank's loss_fn raised or gave no finite loss)."""
 
     def rerun() -> float | None:
         distributed.fsdp2_reshard(model)
@@ -91,6 +66,72 @@ def _probe_all_ranks(
             distributed.fsdp2_reshard(model)
         return shards.mean(mine, "check: probe loss")
 
+    return rerun
+
+
+def capturing_on_all_ranks(
+    model: nn.Module, shards: distributed.Shards, local_rerun: cancellation.Rerun
+) -> cancellation.Rerun:
+    """The confirming re-run (the loss and the cancelling ops' outputs on this rank's
+    batch) made by every rank together; None on every rank when one rank failed."""
+
+    def rerun(targets: set[tuple[str, int]]) -> tuple[float | None, cancellation.Outputs] | None:
+        distributed.fsdp2_reshard(model)
+        try:
+            mine = local_rerun(targets)
+        finally:
+            distributed.fsdp2_reshard(model)
+        world = shards.ranks.world_size if shards.ranks is not None else 1
+        loss = None if mine is None else mine[0]
+        finite = loss is not None and math.isfinite(loss)
+        row = torch.tensor(
+            [loss / world if finite else 0.0, float(not finite), float(mine is None)],  # type: ignore[operator]
+            dtype=torch.float64,
+        )
+        total = shards.sum(row, "check: confirming re-run").tolist()
+        if total[2] > 0 or mine is None:
+            return None
+        return (None if total[1] > 0 else float(total[0])), mine[1]
+
+    return rerun
+
+
+def agreement(shards: distributed.Shards) -> cancellation.Agree:
+    """Each measured change, the largest over the ranks: every rank judges alike."""
+
+    def agree(values: list[float]) -> list[float]:
+        if shards.ranks is None or not values:
+            return values
+        finite = torch.tensor(
+            [v if math.isfinite(v) else _HUGE for v in values], dtype=torch.float64
+        )
+        largest = distributed.all_reduce(shards.ranks, finite, "max", "check: confirmation")
+        return [math.inf if v >= _HUGE else v for v in largest.tolist()]
+
+    return agree
+
+
+# Stands for inf in a reduction (gloo's MAX over inf is fine, NaN is not: keep it plain).
+_HUGE = 1e300
+
+
+def screens(
+    with_grad: list[tuple[str, nn.Parameter]],
+    stats: dict[str, GradStats],
+    loss: float,
+    loss_eps: float,
+    rerun: Callable[[], float | None],
+    runnable: bool,
+) -> tuple[dict[tuple[str, str], ProbeResult], str | None]:
+    """The numerical screens and their loss probes for the parameters the structure
+    pass could not follow, run by every rank together (`rerun` from `on_all_ranks`).
+
+    Which probes run depends only on the whole parameters' statistics and the ranks'
+    mean losses, so every rank runs the same ones in the same order. A rank that
+    fails inside its forward, before FSDP2's own collectives, holds the others there
+    until the process group's timeout; deadweight's collective then fails within its
+    own.
+    """
     try:
         return invariance.probe(with_grad, stats, loss, loss_eps, rerun, runnable=runnable)
     except CollectiveError as exc:

@@ -196,6 +196,11 @@ def layout_for_check(model: Any) -> Iterator[Layout]:
     """The model's `Layout`; inside, a DDP model's forward and backward stay local
     (`local_backward`). The check's one distributed call before it measures."""
     ranks = ranks_for(model)
+    if isinstance(model, nn.Module):
+        # A forward under no_grad (an evaluation, a sample printed) leaves FSDP2's root
+        # parameters gathered, registered in place of the DTensors; the check's own
+        # forward would free their memory under it.
+        fsdp2_reshard(model)
     sharded = isinstance(model, nn.Module) and holds_dtensors(list(model.parameters()))
     layout = Layout(ranks, Shards(ranks) if sharded else None)
     if not isinstance(model, nn.Module):

@@ -38,6 +38,10 @@ def render(report: Report, console: Console | None = None) -> None:
     console = console or Console(force_jupyter=True if in_notebook() else None)
     console.print(_header(report))
     panels = 0
+    notes = report.subject.get("notes")
+    if isinstance(notes, list):
+        for note in notes:
+            console.print(Text(safe_text(f"note: {note}")))
     for title, findings in sections(report):
         if title is not None:  # the note in it is safe_text already
             console.print(Text(safe_text(title, keep_newlines=True), style="bold"))

@@ -238,10 +238,10 @@ def test_dw104_evidence_matches_a_slow_reference(incident_report):
     (mechanism,) = entry["mechanism"]
     assert mechanism["module"] == "final_norm" and mechanism["directions"] == "every"
     assert "fused_rmsnorm.py" in mechanism["site"]
-    # the confirmation: that op's own output under x10, unchanged within rounding
+    # the confirmation: that op's own output under x16, unchanged within rounding
     # (eps = 1e-6 leaves a residue of ~1e-6), so no second point was needed
-    assert entry["probe"] == "x10" and "op_output_growth" not in entry
-    ref10 = final_norm_change(setup.model, loss_of, LAST, [1.0, 10.0])
+    assert entry["probe"] == "x16" and "op_output_growth" not in entry
+    ref10 = final_norm_change(setup.model, loss_of, LAST, [1.0, 16.0])
     assert entry["op_output_change"] == pytest.approx(ref10, rel=1e-2, abs=1e-8)
     assert entry["op_output_change"] < 1e-5
     ref_change = relative_change_alone(setup.model, loss_of, LAST, "scale")

@@ -48,6 +48,7 @@ __all__ = [
     "Ineffective",
     "at_risk",
     "drift_prediction",
+    "gradient_kind",
     "movement",
     "no_effective_gradient",
     "severity_of",
@@ -79,6 +80,33 @@ class Ineffective:
         if self.cancellation is not None:
             return self.cancellation.confirmed is True
         return self.probe is not None and self.probe.invariant
+
+
+# The unit roundoffs of the float dtypes, by name (check_stats imports no torch).
+_DTYPE_OF_ROUNDING = {
+    2.0**-24: "float32",
+    2.0**-8: "bfloat16",
+    2.0**-11: "float16",
+    2.0**-53: "float64",
+}
+
+
+def gradient_kind(item: Ineffective) -> str | None:
+    """What a confirmed cancellation's gradient is, from its re-run: "eps residue" when
+    the probe moved the cancelling op's output well above rounding (the op divides by
+    sqrt(var + eps), not sqrt(var): deterministic, the same in float32 and float64,
+    and of a consistent sign from batch to batch), else "<dtype> rounding noise" of
+    the coarsest dtype on its way (of random sign). None when there was no re-run."""
+    c = item.cancellation
+    if c is None or c.confirmed is not True:
+        return None
+    change = c.evidence.get("op_output_change")
+    if not isinstance(change, float):
+        return None
+    rounding = max(m.rounding for m in c.mechanisms)
+    if any(m.approx for m in c.mechanisms) and change > 16 * rounding:
+        return "eps residue"
+    return f"{_DTYPE_OF_ROUNDING.get(rounding, 'its dtype')} rounding noise"
 
 
 def no_effective_gradient(stats: GradFlowStats) -> dict[str, Ineffective]:
@@ -179,6 +207,13 @@ def drift_prediction(i: Ineffective, group: GroupInfo, facts: OptimizerFacts) ->
         # for noise of a consistent sign m ~ sqrt(v) and the step is the full lr.
         expected = lr * math.sqrt((1 - b1) / (1 + b1)) * damp
         worst = lr * damp
+        kind = gradient_kind(i)
+        if kind is not None and kind != "eps residue":
+            # Noise of random sign: Adam's steps random-walk. The variance of their sum
+            # over T steps is lr^2 * T (the EMA's autocorrelation undoes its shrinking:
+            # (1-b1)/(1+b1) * (1+b1)/(1-b1)), so it wanders lr * sqrt(T) (measured: 0.106
+            # for lr 1e-3 over 10k steps of Gaussian noise, b2 0.999 or 0.95).
+            evidence.update(gradient=kind, random_walk_step=lr * damp)
         evidence.update(
             betas=[b1, b2],
             eps=group.eps,
@@ -207,6 +242,38 @@ def drift_prediction(i: Ineffective, group: GroupInfo, facts: OptimizerFacts) ->
     return evidence
 
 
+# Bits of precision (the implicit leading bit included) of the dtypes a parameter is
+# stored in; a step smaller than half the gap below its value rounds away.
+_PRECISION_BITS = {"float64": 53, "float32": 24, "bfloat16": 8, "float16": 11}
+
+
+def smallest_step(value: float, dtype: str) -> float | None:
+    """The smallest change to a number of size `value` stored in `dtype` that rounding
+    to nearest keeps, in the direction where it is smallest: half the gap to the next
+    number below `value` (at 1.0 in bfloat16: 2^-9). None for an unknown dtype or 0."""
+    bits = _PRECISION_BITS.get(dtype)
+    if bits is None or value <= 0 or not math.isfinite(value):
+        return None
+    exponent = math.floor(math.log2(value))
+    gap_below = 2.0 ** (exponent - (bits - 1))
+    if value == 2.0**exponent:  # at a power of two the gap below is half the one above
+        gap_below /= 2
+    return gap_below / 2
+
+
+def lost_updates(expected: float, worst: float, value: float, dtype: str) -> str | None:
+    """Whether an optimizer's steps on a parameter stored in `dtype` survive rounding:
+    "all" lost (every step, up to `worst`, below the smallest step at its value),
+    "some" (the typical step is below it, the largest ones land as whole steps of the
+    dtype), "none"; None when it cannot tell."""
+    floor = smallest_step(value, dtype)
+    if floor is None:
+        return None
+    if worst < floor:
+        return "all"
+    return "some" if expected < floor else "none"
+
+
 def movement(item: Ineffective, facts: OptimizerFacts) -> dict[str, object] | None:
     """How far the optimizer moves `item` within the horizon, against its own size.
 
@@ -229,10 +296,27 @@ def movement(item: Ineffective, facts: OptimizerFacts) -> dict[str, object] | No
     if "expected_step" not in evidence:
         return evidence
     drift = float(evidence["expected_step"]) * horizon  # type: ignore[arg-type]
+    if "random_walk_step" in evidence:
+        walk = float(evidence["random_walk_step"]) * math.sqrt(horizon)  # type: ignore[arg-type]
+        evidence["random_walk_over_horizon"] = walk
     lr = group.lr or 0.0
     decayed = (
         size * (1 - (1 - lr * group.weight_decay) ** horizon) if group.weight_decay > 0 else 0.0
     )
     evidence.update(drift_over_horizon=drift, decay_over_horizon=decayed)
+    # Judged as for a float32 parameter, whatever it is stored in: the verdict is about
+    # the parameter, and a run moves to float32 master weights with no change to it.
     evidence["material"] = max(drift, decayed) >= t.material_drift * max(size, 1e-12)
+    dtype = item.param.dtype
+    if dtype in ("bfloat16", "float16"):
+        lost = lost_updates(
+            float(evidence["expected_step"]),  # type: ignore[arg-type]
+            float(evidence["max_step"]),  # type: ignore[arg-type]
+            size,
+            dtype,
+        )
+        if lost is not None:
+            evidence.update(
+                param_dtype=dtype, smallest_step=smallest_step(size, dtype), updates_lost=lost
+            )
     return evidence

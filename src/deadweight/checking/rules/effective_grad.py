@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from deadweight.checking.check_stats import SCALE_FACTOR, GradFlowStats
 from deadweight.checking.rules._effective import (
     Ineffective,
+    gradient_kind,
     movement,
     no_effective_gradient,
     severity_of,
@@ -109,10 +110,40 @@ def _confirmation(i: Ineffective) -> str:
     growth = c.evidence.get("op_output_growth")
     if change is not None and growth is not None:
         return (
-            f" (scaling it changed that op's output by {change:.1e}, relative, and "
-            f"scaling it 10x further by {growth:.1e})"
+            f" (scaling it x16 changed that op's output by {change:.1e}, relative, and "
+            f"scaling it 16x further by {growth:.1e})"
         )
     return ""
+
+
+def _gradient(i: Ineffective) -> str:
+    """What the gradient of a cancelled parameter is, from the confirming re-run
+    (`gradient_kind`), with how much the re-run moved that op's output and the loss."""
+    g = i.param.grad
+    assert g is not None
+    size = f"Its gradient (|g| = {g.grad_norm:.1e})"
+    kind = gradient_kind(i)
+    c = i.cancellation
+    if kind is None or c is None:
+        return f"{size} is rounding noise with nothing to learn"
+    change = float(c.evidence["op_output_change"])
+    loss = c.evidence.get("relative_loss_change")
+    and_loss = f" and the loss by {loss:.1e}" if isinstance(loss, float) else ""
+    probe = "shifting" if c.kind == "shift" else "scaling it x16"
+    if kind == "eps residue":
+        growth = c.evidence.get("op_output_growth")
+        shrank = f", x256 by only {growth:.1e} more," if isinstance(growth, float) else ""
+        op = next(m.op for m in c.mechanisms if m.approx)
+        return (
+            f"{size} is the residue of the {op}'s eps, deterministic but nothing to "
+            f"learn from ({probe} changed that op's output by {change:.1e}{shrank}"
+            f"{and_loss}, relative)"
+        )
+    return (
+        f"{size} is {kind} with nothing to learn ({probe} left that op's output "
+        f"unchanged within rounding ({change:.1e}){and_loss.replace(' and', ' and moved')}, "
+        "relative)"
+    )
 
 
 def _fate(i: Ineffective, stats: GradFlowStats) -> str:
@@ -128,7 +159,14 @@ def _fate(i: Ineffective, stats: GradFlowStats) -> str:
     move = max(float(moved["drift_over_horizon"]), float(moved["decay_over_horizon"]))  # type: ignore[arg-type]
     size = float(moved["param_rms"])  # type: ignore[arg-type]
     share = f" ({move / size:.0%} of its size)" if size > 0 else ""
-    return f"{facts.name} will move it by about {move:.2g}{share} within {moved['horizon_steps']} steps"
+    within = f"by about {move:.2g}{share} within {moved['horizon_steps']} steps"
+    if moved.get("updates_lost") == "all":
+        return (
+            f"{facts.name}'s updates to it are lost to {moved['param_dtype']} rounding, so it "
+            f"stays put while stored in {moved['param_dtype']}; with float32 master weights it "
+            f"would move {within}"
+        )
+    return f"{facts.name} will move it {within}"
 
 
 @rule(
@@ -152,7 +190,9 @@ def zero_gradient(stats: GradFlowStats) -> Iterator[Finding]:
       `autograd.Function`). The floor is where moving the parameter by its own size
       (by 1 for an all-zero parameter) would, to first order, change the loss by less
       than 16 rounding errors of the loss: `|g| * max(|theta|, 1) <= 16 * eps * |loss|`,
-      eps the machine epsilon of the loss's dtype (1.19e-7 for float32).
+      eps the machine epsilon of the loss's dtype (1.19e-7 for float32), and never
+      coarser than float32's: a bf16 loss's own (2^-7) would call small real gradients
+      noise.
 
     How a verdict is reached: every other parameter is judged from the structure of
     the forward (see DW104). A parameter the structure shows reaching the loss
@@ -245,14 +285,18 @@ def _invariance_findings(stats: GradFlowStats, code: str, kind: str) -> Iterator
         assert g is not None
         mechanism = _mechanism([i])
         if mechanism:
-            how = f"{mechanism} {what} {i.param.name} on every path to the loss{_confirmation(i)}"
+            # a confirmed one's re-run is told with what its gradient is, below
+            told = i.cancellation is not None and i.cancellation.confirmed is True
+            how = (
+                f"{mechanism} {what} {i.param.name} on every path to the loss"
+                f"{'' if told else _confirmation(i)}"
+            )
         else:
             verb = f"scaling it by {SCALE_FACTOR:g}" if kind == "scale" else "shifting it far"
             change = i.probe.relative_change if i.probe is not None else None
             how = f"{verb} changed the loss by {change:.1e} (relative)"
         yield get_rule(code).finding(
-            f"The loss does not depend on {i.param.name}: {how}. Its gradient "
-            f"(|g| = {g.grad_norm:.1e}) is rounding noise with nothing to learn, and "
+            f"The loss does not depend on {i.param.name}: {how}. {_gradient(i)}, and "
             f"{_fate(i, stats)}.",
             params=[i.param.name],
             location=Location(module=i.param.module),
@@ -358,17 +402,35 @@ def scale_invariant(stats: GradFlowStats) -> Iterator[Finding]:
        on every path to the loss, and that reaches the loss in no other way, is a
        candidate; the message names the op, its line and its module.
     2. **Confirmation.** The forward is re-run under no_grad on the same batch and RNG
-       state with the candidates scaled (x10, then x100; a gain's every entry by its
-       own random factor in [3, 10], then squared), and the output of the cancelling
-       op itself is compared: invariant when x10 changed it by at most 5% (the eps
-       residue, ~eps / 2 var(x)) and x100 added at most a quarter of that, or
-       nothing beyond rounding. A weak but real influence grows 10-170x from x10 to
-       x100 instead. A re-run that is not reproducible (a new batch each call)
+       state with the candidates scaled (x16, then x256; a gain's every entry by x16 or
+       x32 at random, then squared), and the output of the cancelling op itself is
+       compared: invariant when x16 changed it by at most 5% (the eps residue,
+       ~eps / 2 var(x)) and x256 added at most a quarter of that, or nothing beyond
+       rounding. A weak but real influence grows 10-170x from the first point to the
+       second instead. A re-run that is not reproducible (a new batch each call)
        leaves the candidate unconfirmed (info).
+
+    **Half precision** (bf16 or fp16 parameters, bf16 autocast, FSDP2 mixed
+    precision) is judged as float32 is. The structure pass follows a parameter
+    through casts (`.to(dtype)`, `.float()`, `type_as`, autocast's), so the
+    upcasting RMSNorm of Llama, Mistral, Qwen and Gemma (compute in float32, cast
+    back) is named as in float32. The probe's factors are powers of two: binary
+    floating point rounds 2^k x exactly as it rounds x, so the cancelling op sees its
+    input scaled exactly through a bf16 path, and what it shows is its eps residue,
+    not bf16 rounding noise of the way there; a change counts as rounding at 16 unit
+    roundoffs of the op's output dtype. The message says what the gradient is: the
+    residue of the op's eps when the probe moved the op's output well above rounding
+    (then float32 and float64 give the same gradient), else rounding noise of the
+    coarsest dtype on the way, with how much the probe moved the loss. Under FSDP2
+    the pass follows the unsharded copies the forward computes with, every rank
+    re-runs its own batch with the sharded parameters scaled, and the largest change
+    any rank saw decides.
 
     The numerical screen (the first-order loss change 9 <g, theta> / |loss|, confirmed
     on the loss) is used only for parameters whose path goes through a call the
-    structure pass cannot see into.
+    structure pass cannot see into. With a bf16/fp16 loss it judges at float32's
+    resolution (the loss's own, 2^-8 of it, would call small real gradients noise) and
+    the report notes what that may leave unseen.
 
     Severity says what will happen to the run:
 
@@ -404,7 +466,7 @@ def scale_invariant(stats: GradFlowStats) -> Iterator[Finding]:
     - `params`: per parameter `grad_norm`, `grad_dot_param` (⟨g, θ⟩), `grad_sum`, `param_norm`;
       `mechanism` (per cancelling op: `op`, `site`, `module`, `dims`, `directions` every /
       uniform, `up_to_eps`), `by_construction`, `confirmed`; the re-run's `probe`,
-      `op_output_change` (x10 against x1), `op_output_growth` (x100 against x10) and
+      `op_output_change` (x16 against x1), `op_output_growth` (x256 against x16) and
       `relative_loss_change`; with an optimizer, `horizon_steps`, `predicted_move`
       and `material`; `pinned` / `moved_since_pin`. Parameters judged by the fallback
       screen carry `probe`, `relative_loss_change` and `screen_score` instead.
@@ -436,9 +498,11 @@ def shift_invariant(stats: GradFlowStats) -> Iterator[Finding]:
     `x - x.mean()` cancel a term that is constant over the dims they work on. A
     parameter cancelled in every direction is confirmed by re-running the forward
     with it shifted by 10x its RMS (10 for an all-zero one, a random sign per entry)
-    and comparing the cancelling op's output: unchanged within 2e-4 relative (8 ulps
-    for bf16/fp16 outputs); a real but weak shift influence changes it by 1e-2 and
-    more.
+    and comparing the cancelling op's output: unchanged within 2e-4 relative; where
+    the shift passed through bf16 or fp16 on its way to the op, within 16 unit
+    roundoffs of that dtype (0.0625 for bf16, 0.0078 for fp16), since adding the shift
+    rounds away low bits of the values; a real but weak shift influence changes it by
+    1e-2 and more.
 
     Severity: **info**. A cancelled shift is exact and harmless: the parameter
     learns nothing, and nothing downstream of the cancelling op sees where it goes.

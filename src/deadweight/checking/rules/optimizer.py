@@ -243,7 +243,19 @@ def drift_risk(stats: GradFlowStats) -> Iterator[Finding]:
     - how far it gets within `drift-horizon-steps` (10k): `expected_step * horizon`.
 
     It follows DW104's severity: only a parameter the optimizer will move by at
-    least `material-drift` (10%) of its size within the horizon is reported. An
+    least `material-drift` (10%) of its size within the horizon is reported.
+
+    A bf16 or fp16 parameter is judged as a float32 one: the verdict is about the
+    parameter, and the run that steps a float32 master copy of it (autocast over fp32
+    parameters, FSDP2 mixed precision, Megatron's main params) drifts as predicted.
+    Where the parameter itself is what the optimizer steps, the message says what
+    rounding does to the updates: below the smallest step the dtype keeps at the
+    parameter's value (half the gap to the next number below: 2^-9 at 1.0 in bf16)
+    every update is lost and it stays put while stored so (DW304 sees the same under
+    watch); when only the typical update is below it, the largest land as whole
+    steps of the dtype. When the gradient is rounding noise of random sign rather than
+    an eps residue (DW104 says which), the message gives the random walk it makes
+    (`lr * sqrt(T)`: about 0.1 within 10k steps at lr 1e-3) beside the steady drift. An
     exact shift redundancy (a key bias, a bias before BatchNorm) is not: nothing
     downstream sees where it goes (DW105, info).
 
@@ -272,6 +284,12 @@ def drift_risk(stats: GradFlowStats) -> Iterator[Finding]:
     - `horizon_steps`, `param_rms`, `drift_over_horizon`, `decay_over_horizon`,
       `material`: the move predicted within the horizon, against the parameter's size.
     - `prediction`: why there is no prediction, for an update rule deadweight does not know.
+    - `param_dtype`, `smallest_step`, `updates_lost` (`all`, `some`, `none`): for a bf16
+      or fp16 parameter, what rounding to its dtype does to the updates.
+    - `gradient`, `random_walk_step`, `random_walk_over_horizon`: when the gradient is
+      rounding noise (of random sign, DW104 says which), the walk it makes instead of
+      a steady drift: `lr * sqrt(horizon)`. The severity follows the steady drift, what
+      an eps residue gives in float32.
     """
     facts = stats.optimizer_facts
     if not facts:
@@ -286,25 +304,58 @@ def drift_risk(stats: GradFlowStats) -> Iterator[Finding]:
         if severity_of(item, stats) is not Severity.WARNING:
             continue  # an exact, harmless redundancy, or a move too small within the horizon
         evidence = movement(item, facts) or {}
-        if "reset_amplification" in evidence:
-            detail = (
-                f"expect steps of about {evidence['expected_step']:.2g} (up to "
-                f"{evidence['max_step']:.2g}) per update, about "
-                f"{evidence['drift_over_horizon']:.2g} within {evidence['horizon_steps']} steps, "
-                f"{evidence['reset_amplification']:.2f}x larger right after an "
-                "optimizer-state reset"
-            )
-        elif "max_step" in evidence:
-            detail = f"expect steps of up to {evidence['max_step']:.2g} per update"
-        else:
-            detail = str(evidence["prediction"])
         yield get_rule("DW204").finding(
-            f"{name} cannot learn, has no weight decay and is updated by {facts.name}: it will "
-            f"drift on gradient noise; {detail}.",
+            f"{name} cannot learn, has no weight decay and is updated by {facts.name}: "
+            f"{_drift_words(evidence)}.",
             params=[name],
             location=Location(module=item.param.module),
             evidence=evidence,
         )
+
+
+def _drift_words(evidence: dict[str, object]) -> str:
+    """DW204's prediction in words, with what the gradient's sign and rounding in the
+    parameter's dtype do to it."""
+    if "reset_amplification" in evidence:
+        detail = (
+            f"steps of about {evidence['expected_step']:.2g} (up to "
+            f"{evidence['max_step']:.2g}) per update, about "
+            f"{evidence['drift_over_horizon']:.2g} within {evidence['horizon_steps']} steps, "
+            f"{evidence['reset_amplification']:.2f}x larger right after an "
+            "optimizer-state reset"
+        )
+    elif "max_step" in evidence:
+        detail = f"steps of up to {evidence['max_step']:.2g} per update"
+    else:
+        return f"it will drift on gradient noise; {evidence['prediction']}"
+    walk = evidence.get("random_walk_over_horizon")
+    if isinstance(walk, float):
+        # judged by the steady drift (what float32's eps residue gives), told as it is
+        motion = (
+            f"random-walks on its gradient ({evidence['gradient']}, of random sign): about "
+            f"{walk:.2g} within {evidence['horizon_steps']} steps. Where the noise keeps its "
+            f"sign, as an eps residue's does, it drifts instead: {detail}"
+        )
+    else:
+        motion = f"drifts on gradient noise: {detail}"
+    lost, dtype = evidence.get("updates_lost"), evidence.get("param_dtype")
+    floor = evidence.get("smallest_step")
+    size = evidence.get("param_rms")
+    if lost == "all" and isinstance(floor, float) and isinstance(size, float):
+        return (
+            f"each of its updates (up to {evidence['max_step']:.2g}) is below the smallest step "
+            f"{dtype} keeps at its value ({floor:.2g} at {size:.3g}) and is lost, so it stays "
+            f"put while stored in {dtype}; with float32 master weights (fp32 parameters under "
+            f"autocast, FSDP2 mixed precision, Megatron's main params) it {motion}"
+        )
+    if lost == "some" and isinstance(floor, float) and isinstance(size, float):
+        return (
+            f"its typical update ({evidence['expected_step']:.2g}) is below the smallest "
+            f"step {dtype} keeps at its value ({floor:.2g} at {size:.3g}) and is lost, the "
+            f"largest (up to {evidence['max_step']:.2g}) land as whole {dtype} steps; with "
+            f"float32 master weights it {motion}"
+        )
+    return f"it {motion}"
 
 
 @rule(

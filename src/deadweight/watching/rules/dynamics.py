@@ -403,7 +403,9 @@ def skipped_steps(stats: WatchStats) -> Iterator[Finding]:
     Each finding gives the fix for its cause. GradScaler skips: find the overflow
     (deadweight's DW305, a lower learning rate, bf16 instead of fp16). A learning
     rate of 0: check the schedule. Updates lost by a bf16 or fp16 parameter: keep an
-    fp32 master copy of it (the optimizer steps the copy). Updates lost by a
+    fp32 master copy of it (the optimizer steps the copy), unless the parameter cannot
+    learn at all (DW104/DW204: a normalization cancels it), whose noise-driven updates
+    would then land and drift: pin it instead. Updates lost by a
     parameter that is already fp32: a master copy in fp32 changes nothing; the step
     is below fp32's resolution at the parameter's size (about 6e-8 of its value), so
     check the learning rate and why the parameter is so large.
@@ -493,7 +495,9 @@ def _lost_update_fix(tracks: list[ParamTrack]) -> str:
         parts.append(
             f"Keep an fp32 master copy of {name_list(low)}: the optimizer steps the fp32 "
             f"copy and the model reads it in {dtypes}, which cannot hold steps this small "
-            "at the parameter's size."
+            "at the parameter's size. Unless it cannot learn at all (a scalar a "
+            "normalization cancels, DW104/DW204 at step 0): in fp32 its noise-driven "
+            "updates would land and it would drift, so pin it (deadweight.pin) instead."
         )
     if wide:
         which = "/".join(sorted({t.dtype for t in tracks if t.dtype not in _LOW_PRECISION}))
