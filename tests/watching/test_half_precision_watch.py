@@ -43,7 +43,7 @@ def _train(setting: str, steps: int, pinned: bool = False) -> tuple[deadweight.R
                 loss = setup.loss()
             loss.backward()
             optimizer.step()
-    return w.report(), float(setup.last_scalar)
+    return w.report(), float(setup.last_scalar.detach())
 
 
 def test_fp32_parameters_under_bf16_autocast_drift_and_dw302_says_so():

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from deadweight import autograd_graph, owners, wrappers
+from deadweight.distributed import ranks as distributed
 from deadweight.findings import Finding
 
 log = logging.getLogger(__name__)
@@ -168,12 +169,24 @@ class Replay:
             # Only those the outputs do not already lead to: a second path would hide
             # a cancellation on the first one from the structure pass.
             upstream = autograd_graph.walk(n for n in nodes if n is not None).leaves
+            # Under FSDP2 the forward's leaves are the unsharded parameters it swapped in.
+            unsharded: dict[int, torch.Tensor] = {}
+            for module in self.modules:
+                unsharded.update(distributed.fsdp2_unsharded(module))
             for p in reached:
-                if id(p) not in upstream:
-                    loss = loss + 0.0 * p.float().sum()
+                leaf = unsharded.get(id(p), p)
+                if id(p) not in upstream and id(leaf) not in upstream:
+                    loss = loss + 0.0 * _local(p).float().sum()
             return loss
 
         return stand_in
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """`p` as a plain tensor: a DTensor (an FSDP2 shard) by its local shard, through an
+    op autograd follows back to it."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) else p
 
 
 def _got_gradient(p: torch.Tensor) -> bool:
