@@ -235,10 +235,17 @@ def _tinyllama(small: bool) -> tuple[nn.Module, torch.Tensor]:
 
 
 def _timer() -> Any:
+    """Starts a timer; calling what it returns gives the milliseconds since."""
     if DEVICE == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        return lambda: (end.record(), end.synchronize(), start.elapsed_time(end))[2]
+
+        def elapsed() -> float:
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end))
+
+        return elapsed
     t0 = time.perf_counter()
     return lambda: 1000 * (time.perf_counter() - t0)
 
