@@ -160,6 +160,8 @@ class Watch:
         self._monitors: dict[int, StepMonitor] = {}
         # id(optimizer) -> the checks of the loop around its steps (zero_grad, train mode)
         self._loop_checks: dict[int, LoopChecks] = {}
+        # the models zero-code mode found when naming parameters (not kept alive by this)
+        self._found_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._next_index = 0
         self._handles: list[RemovableHandle] = []
         self._restore: list[Any] = []
@@ -341,8 +343,9 @@ class Watch:
         try:
             held = [g is not None for g in monitor.groups]
             mine = {id(p) for p, h in zip(monitor.params, held, strict=True) if h}
-            models = [m for m in self.models if any(id(p) in mine for p in m.parameters())]
-            if not models:
+            known = [*self.models, *self._found_models]
+            models = [m for m in known if any(id(p) in mine for p in m.parameters())]
+            if not models:  # one scan of the live modules, once per optimizer
                 models = owners.owning_models(monitor.params)
             prefixes = owners.model_prefixes(models)
             self._loop_checks[id(optimizer)] = LoopChecks(
@@ -858,6 +861,7 @@ class GlobalWatch(Watch):
     def _name_from_models(self, params: list[torch.Tensor]) -> None:
         try:
             models = owners.owning_models(params)
+            self._found_models.update(models)
             for name_id, name in owners.parameter_names(models).items():
                 self._names.setdefault(name_id, name)
             for copy_id, p in wrappers.main_copies(models).items():
