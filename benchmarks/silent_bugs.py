@@ -43,7 +43,7 @@ from deadweight.watching.watcher import GlobalWatch, MonitorConfig
 
 STEPS = 60
 COST_STEPS = 30
-COST_PAIRS = 5
+COST_PAIRS = 3
 
 
 @dataclass
@@ -476,7 +476,11 @@ def main() -> None:
     print("Out of scope:")
     for what, why in OUT_OF_SCOPE:
         print(f"- {what}: {why}")
-    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+    cpu = os.times()
+    print(
+        f"\n(total {time.perf_counter() - started:.0f} s wall, "
+        f"{cpu.user + cpu.system + cpu.children_user + cpu.children_system:.0f} s CPU)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"case": r[0], "expected": r[1], "bug": r[2], "twin": r[3],

@@ -201,5 +201,6 @@ class StaleGradients:
         stale = [pos for (pos, _), f in zip(confirmed, flags, strict=True) if f]
         if not stale:
             return
-        self.reported = True  # once per optimizer: every later step is the same story
+        self.reported = True  # once per optimizer: every later step is the same story,
+        self.disabled = True  # so the hooks go back to costing nothing
         self.emit({"event": "stale_grad", "optimizer": self.index, "step": step, "params": stale})
