@@ -298,7 +298,8 @@ CASES = [
     Case("optimizer.zero_grad() missing", "DW311", missing_zero_grad),
     Case("model left in eval() after validation", "DW312", eval_mode),
     Case("a module registered but unused (40 steps)", "DW313", unused_module),
-    Case("a layer frozen that should train", "DW2xx at step 0", frozen_layer),
+    Case("a layer frozen that should train", "out of reach: requires_grad=False is how "
+         "freezing is spelled, so nothing tells a mistake from intent", frozen_layer),
     Case("optimizer over stale (re-created) parameters", "DW201/DW202 at step 0",
          stale_optimizer),
     Case("lr 0: a warm-up that never starts", "DW304; DW301 at 50", lr_never_warms_up),
