@@ -34,6 +34,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import deadweight
+from deadweight.watching.loop_checks import LoopChecks
 from deadweight.watching.step_monitor import StepMonitor
 
 transformers.logging.set_verbosity_error()
@@ -116,16 +117,18 @@ def time_in_hooks(
     directly around the hook bodies: far less noisy than a difference of step times."""
     spent = [0.0]
     originals = StepMonitor.before_step, StepMonitor.after_step
+    loop_checks = LoopChecks.after_step  # zero_grad and train-mode checks, every step
 
-    def timed(body: Callable[[StepMonitor], None]) -> Callable[[StepMonitor], None]:
-        def run(self: StepMonitor) -> None:
+    def timed(body: Callable[..., None]) -> Callable[..., None]:
+        def run(self: Any, *args: Any) -> None:
             start = time.perf_counter()
-            body(self)
+            body(self, *args)
             spent[0] += time.perf_counter() - start
 
         return run
 
     StepMonitor.before_step, StepMonitor.after_step = map(timed, originals)  # type: ignore[method-assign,assignment]
+    LoopChecks.after_step = timed(loop_checks)  # type: ignore[method-assign]
     try:
         log = os.path.join(tempfile.mkdtemp(prefix="dw-bench-"), "run.jsonl")
         with deadweight.watch(model, opt, log=log, **kw):
@@ -137,6 +140,7 @@ def time_in_hooks(
             total = time.perf_counter() - start
     finally:
         StepMonitor.before_step, StepMonitor.after_step = originals  # type: ignore[method-assign]
+        LoopChecks.after_step = loop_checks  # type: ignore[method-assign]
     return spent[0] / steps, total / steps
 
 

@@ -68,7 +68,7 @@ def parameter_names(models: Sequence[nn.Module]) -> dict[int, str]:
     (`wrappers.main_copy`: what megatron-core's mixed-precision optimizers step) is
     named after the parameter."""
     names: dict[int, str] = {}
-    prefixes = _prefixes(models)
+    prefixes = model_prefixes(models)
     for prefix, model in zip(prefixes, models, strict=True):
         for name, p in model.named_parameters():
             names.setdefault(id(p), prefix + name)
@@ -78,7 +78,9 @@ def parameter_names(models: Sequence[nn.Module]) -> dict[int, str]:
     return names
 
 
-def _prefixes(models: Sequence[nn.Module]) -> list[str]:
+def model_prefixes(models: Sequence[nn.Module]) -> list[str]:
+    """What names of each model's parameters and modules start with: nothing for one
+    model, its class (`Generator:`) for several."""
     if len(models) <= 1:
         return [""] * len(models)
     classes = [type(m).__name__ for m in models]

@@ -69,6 +69,15 @@ class Thresholds:
         "Adam moves every parameter with a gradient on step 1, and SGD with any non-zero "
         "gradient changes some bit almost surely; 50 steps leave room for a warm-up.",
     )
+    no_gradient_steps: int = _threshold(
+        10,
+        ("DW310", "DW313"),
+        "Optimizer steps after which a parameter of a stepping optimizer whose gradient was "
+        "None (DW313) or exactly zero (DW310) on every one of them is reported.",
+        "A parameter the loss reaches gets a non-zero gradient on the first step in which "
+        "it is used; a zero-initialised gate or a warm-up from lr 0 delays that by a step "
+        "or two. 10 steps leave room for both and still report inside a smoke test.",
+    )
     drift_noise_floor_ratio: float = _threshold(
         1e-3,
         ("DW302", "DW303"),

@@ -194,6 +194,17 @@ SCHEMA: dict[str, dict[str, tuple[Kind, bool]]] = {
         "nonfinite_count": (COUNT, False),
     },
     "loss": {"steps": (COUNTS, True), "values": (NUMBERS, True)},
+    # a step consumed a gradient the previous step had already used (zero_grad missing)
+    "stale_grad": {**_PER_STEP, "params": (COUNTS, True)},
+    # steps taken with mode-dependent modules in eval mode, from `step` on
+    "eval_mode": {
+        **_PER_STEP,
+        "seen_at": (COUNT, False),
+        "modules": (TEXTS, True),
+        "module_count": (COUNT, False),
+        "kinds": (TEXTS, False),
+    },
+    "train_mode": {**_PER_STEP},
     "error": {
         "optimizer": (COUNT_OR_NULL, False),
         "step": (COUNT_OR_NULL, False),
@@ -280,7 +291,7 @@ class EventChecker:
         notes = _fields(event, spec, f"a {kind!r} event")
         if kind == "optimizer":
             notes += self._optimizer(event)
-        elif kind in ("step", "reset", "reset_effect", "nonfinite"):
+        elif kind in ("step", "reset", "reset_effect", "nonfinite", "stale_grad"):
             self._fits(event)
         return notes
 

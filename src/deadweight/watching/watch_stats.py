@@ -120,6 +120,27 @@ class ResetTrack:
 
 
 @dataclass
+class StaleGradients:
+    """A step that consumed the gradient an earlier step had used (zero_grad missing)."""
+
+    optimizer: int
+    step: int
+    params: list[str]
+
+
+@dataclass
+class EvalEpisode:
+    """Optimizer steps taken with mode-dependent modules in eval mode."""
+
+    optimizer: int
+    start: int  # the first step it was seen at
+    modules: list[str]
+    module_count: int
+    kinds: list[str]
+    end: int | None = None  # the step at which they all trained again; None: to the end
+
+
+@dataclass
 class WatchStats:
     config: dict[str, Any] = field(default_factory=dict)
     start: dict[str, Any] = field(default_factory=dict)
@@ -145,6 +166,8 @@ class WatchStats:
     step0: list[Finding] = field(default_factory=list)
     step0_mode: str | None = None
     step0_note: str | None = None
+    stale_grads: list[StaleGradients] = field(default_factory=list)
+    eval_episodes: list[EvalEpisode] = field(default_factory=list)
     _step0_checks: list[tuple[str, str | None, Any]] = field(default_factory=list, repr=False)
 
     @property
@@ -342,6 +365,33 @@ class WatchStats:
         for pos in set(event.get("nonfinite", ())):  # a parameter counts once per skip
             if 0 <= pos < len(tracks):
                 tracks[pos].skipped_nonfinite += 1
+
+    def _on_stale_grad(self, event: dict[str, Any]) -> None:
+        found = self._tracks(event)
+        if found is None:
+            return
+        opt, _ = found
+        names = [opt.params[i] for i in event["params"]]
+        self.stale_grads.append(StaleGradients(opt.index, int(event["step"]), names))
+
+    def _on_eval_mode(self, event: dict[str, Any]) -> None:
+        modules = list(event["modules"])
+        self.eval_episodes.append(
+            EvalEpisode(
+                optimizer=int(event.get("optimizer", -1)),
+                start=int(event["step"]),
+                modules=modules,
+                module_count=int(event.get("module_count", len(modules))),
+                kinds=list(event.get("kinds", [])),
+            )
+        )
+
+    def _on_train_mode(self, event: dict[str, Any]) -> None:
+        optimizer = int(event.get("optimizer", -1))
+        for episode in reversed(self.eval_episodes):
+            if episode.optimizer == optimizer and episode.end is None:
+                episode.end = int(event["step"])
+                return
 
     def _on_check(self, event: dict[str, Any]) -> None:
         """One optimizer's step-0 check (`deadweight run` checks each optimizer's first

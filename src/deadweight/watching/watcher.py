@@ -38,6 +38,7 @@ from deadweight.report import Report
 from deadweight.thresholds import Thresholds, using
 from deadweight.watching import scaler_steps, zero_partitions
 from deadweight.watching.event_log import LogWriter, log_path_for_rank, start_event
+from deadweight.watching.loop_checks import LoopChecks
 from deadweight.watching.step_monitor import MonitorConfig, StepMonitor
 from deadweight.watching.step_zero import FirstStep
 from deadweight.watching.watch_report import report_from_stats
@@ -157,6 +158,10 @@ class Watch:
         if self.log_path is not None and not lazy_log:
             self._open_log()
         self._monitors: dict[int, StepMonitor] = {}
+        # id(optimizer) -> the checks of the loop around its steps (zero_grad, train mode)
+        self._loop_checks: dict[int, LoopChecks] = {}
+        # the models zero-code mode found when naming parameters (not kept alive by this)
+        self._found_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._next_index = 0
         self._handles: list[RemovableHandle] = []
         self._restore: list[Any] = []
@@ -314,6 +319,7 @@ class Watch:
             main_copies=self._main_copies,
         )  # fmt: skip
         self._monitors[id(optimizer)] = monitor
+        self._check_loop(optimizer, monitor)
         ranks = self._job_ranks()
         if ranks is not None:
             self._replicas[id(optimizer)] = ReplicaCheck(
@@ -327,6 +333,31 @@ class Watch:
                 [self._holders(p) for p in monitor.params],
             )
         return monitor
+
+    def _check_loop(self, optimizer: torch.optim.Optimizer, monitor: StepMonitor) -> None:
+        """Attach the loop checks of this optimizer (replacing those of a monitor it
+        replaces); a failure leaves them off, with an error event, and training goes on."""
+        old = self._loop_checks.pop(id(optimizer), None)
+        if old is not None:
+            old.close()
+        try:
+            held = [g is not None for g in monitor.groups]
+            mine = {id(p) for p, h in zip(monitor.params, held, strict=True) if h}
+            known = [*self.models, *self._found_models]
+            models = [m for m in known if any(id(p) in mine for p in m.parameters())]
+            if not models:  # one scan of the live modules, once per optimizer
+                models = owners.owning_models(monitor.params)
+            prefixes = owners.model_prefixes(models)
+            self._loop_checks[id(optimizer)] = LoopChecks(
+                monitor.index,
+                monitor.params,
+                held,
+                list(zip(prefixes, models, strict=True)),
+                self._emit,
+                gradients_in_grad=not isinstance(optimizer, zero_partitions.ZeroView),
+            )
+        except Exception as exc:
+            self._error("loop checks", exc)
 
     def _holders(self, p: torch.Tensor) -> tuple[int, ...] | None:
         """The ranks holding copies of this rank's `p` (None: every rank)."""
@@ -376,6 +407,11 @@ class Watch:
             monitor = self._monitors.get(id(optimizer))
             if monitor is not None:
                 monitor.after_step()
+                checks = self._loop_checks.get(id(optimizer))
+                if checks is not None:
+                    checks.after_step(monitor.step)
+                    if monitor.window == 0:  # it recorded: a watched step
+                        checks.watched_step()
                 replica = self._replicas.get(id(optimizer))
                 if replica is not None:
                     replica.after_step(monitor.step, monitor.start_step)
@@ -619,6 +655,9 @@ class Watch:
         for monitor in self._monitors.values():
             with contextlib.suppress(Exception):
                 monitor.finish()
+        for checks in self._loop_checks.values():
+            with contextlib.suppress(Exception):
+                checks.close()
         self._flush_losses()
         self._emit(
             {
@@ -822,6 +861,7 @@ class GlobalWatch(Watch):
     def _name_from_models(self, params: list[torch.Tensor]) -> None:
         try:
             models = owners.owning_models(params)
+            self._found_models.update(models)
             for name_id, name in owners.parameter_names(models).items():
                 self._names.setdefault(name_id, name)
             for copy_id, p in wrappers.main_copies(models).items():

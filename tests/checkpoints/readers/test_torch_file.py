@@ -351,3 +351,62 @@ def test_unsafe_pickle_runs_only_what_needs_it_and_says_so(tmp_path: Path) -> No
             ]
     assert notes == [f"{evil}: --unsafe-pickle ran this file's pickle (any code in it has run)"]
     assert marker.exists()
+
+
+# --- files that are not torch.save files: what they are, in words (issue 35) --------------
+
+
+def test_a_raw_pickle_says_what_it_is_and_the_two_ways_forward(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    path = tmp_path / "model.bin"
+    state = {"w": torch.arange(4.0), "x": Payload(str(marker))}
+    path.write_bytes(pickle.dumps(state, protocol=4))
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(str(path))
+    message = str(info.value)
+    assert "a raw Python pickle (protocol 4, written by pickle.dump" in message
+    assert "torch._utils._rebuild_tensor_v2" in message and "pathlib" in message
+    assert "no code from it ran" in message
+    assert "--unsafe-pickle" in message and "safetensors.torch.save_file" in message
+    assert "Unsupported operand" not in message
+    assert not marker.exists()
+    # the explicit opt-in loads a trusted raw pickle, and says it ran
+    path.write_bytes(pickle.dumps({"w": torch.arange(4.0)}, protocol=2))
+    with open_checkpoint(str(path), unsafe_pickle=True) as ckpt:
+        (entry,) = ckpt.entries()
+        np.testing.assert_array_equal(ckpt.array(entry), np.arange(4.0, dtype=np.float32))
+        assert ckpt.ran_pickle  # type: ignore[attr-defined]
+
+
+def test_a_legacy_file_of_any_protocol_is_told_from_a_raw_pickle(tmp_path: Path) -> None:
+    from deadweight.checkpoints.readers.file_kind import sniff
+
+    for protocol in (2, 4):
+        path = tmp_path / f"legacy{protocol}.pt"
+        torch.save(
+            {"w": torch.ones(3)}, path, _use_new_zipfile_serialization=False,
+            pickle_protocol=protocol,
+        )  # fmt: skip
+        assert sniff(str(path)).kind == "torch-legacy"
+    raw = tmp_path / "raw.pt"
+    raw.write_bytes(pickle.dumps({"w": 1}, protocol=4))
+    assert sniff(str(raw)).kind == "pickle"
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 12\n", "git lfs pull"),
+        (b"<!DOCTYPE html><html><body>404</body></html>", "an HTML page"),
+        (b"GGUF\x03\x00\x00\x00" + bytes(64), "a GGUF file"),
+        (b"\x93NUMPY\x01\x00" + bytes(64), "a NumPy .npy array"),
+        (b"\x1f\x8b\x08\x00" + bytes(64), "gzip-compressed"),
+        (len(b'{"a":1}').to_bytes(8, "little") + b'{"a":1}', "rename it to .safetensors"),
+    ],
+)
+def test_other_files_say_what_they_are(tmp_path: Path, content: bytes, said: str) -> None:
+    path = tmp_path / "pytorch_model.bin"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(str(path))
+    assert said in str(info.value) and "Nothing in it was run" in str(info.value)

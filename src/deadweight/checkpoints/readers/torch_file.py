@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
-import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -23,6 +22,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from deadweight.checkpoints.readers import file_kind
 from deadweight.checkpoints.readers.base import (
     DEFAULT_CHUNK_BYTES,
     CheckpointError,
@@ -264,9 +264,18 @@ class TorchFile(ReaderBase):
             raise CheckpointError(path, f"cannot open ({exc.strerror})") from None
         if size == 0:
             raise CheckpointError(path, "the file is empty")
-        # mmap keeps the weights on disk until read; the legacy (pre-zip) format cannot be mapped.
-        mmap = zipfile.is_zipfile(path)
-        loaded = self._load(mmap, unsafe_pickle)
+        try:
+            kind = file_kind.sniff(path)
+        except OSError as exc:
+            raise CheckpointError(path, f"cannot open ({exc.strerror})") from None
+        if kind.kind == "pickle" and unsafe_pickle:
+            loaded = self._load_raw_pickle()
+        elif not kind.is_torch:  # said in words, with nothing of it run
+            raise CheckpointError(path, file_kind.explain(kind))
+        else:
+            # mmap keeps the weights on disk until read; the legacy (pre-zip) format
+            # cannot be mapped.
+            loaded = self._load(kind.kind == "torch-zip", unsafe_pickle)
         tensors: dict[str, torch.Tensor] = {}
         optimizers: list[dict[str, Any]] = []
         try:
@@ -314,6 +323,24 @@ class TorchFile(ReaderBase):
                 path,
                 f"not a readable torch.save file ({first_line(exc)}); its pickle was run "
                 "(--unsafe-pickle)",
+            ) from None
+
+    def _load_raw_pickle(self) -> Any:
+        """A raw `pickle.dump` file, with --unsafe-pickle: the user's opt-in for a file
+        they trust, noted before it runs."""
+        path = self.path
+        self.ran_pickle = True
+        self._note(ran_pickle_note(path))
+        try:
+            with open(path, "rb") as f, warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return pickle.load(f)  # the user's explicit --unsafe-pickle
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the pickle's own code may raise anything
+            raise CheckpointError(
+                path,
+                f"not a readable pickle ({first_line(exc)}); its pickle was run (--unsafe-pickle)",
             ) from None
 
     def _entry(self, name: str, tensor: torch.Tensor) -> TensorEntry:

@@ -104,9 +104,11 @@ def gradient_always_zero(stats: WatchStats) -> Iterator[Finding]:
     """
     ## What it does
     Sums the squared norm of every parameter's gradient at every step, and flags
-    those whose gradient was present but exactly zero on every one of at least 50
-    optimizer steps. Parameters held by `deadweight.pin` (which zeroes their
-    gradient on purpose) are skipped, as are those already reported by DW301.
+    those whose gradient was present on some steps and exactly zero (or None) on
+    every one of at least 10 optimizer steps (`no-gradient-steps`). Parameters held
+    by `deadweight.pin` (which zeroes their gradient on purpose) are skipped, as are
+    those whose learning rate was 0 whenever they had a gradient, and those DW301
+    reports (bitwise unchanged after its 50 steps).
 
     ## Why is this bad
     It is the first incident seen through a framework that fills in missing
@@ -129,13 +131,15 @@ def gradient_always_zero(stats: WatchStats) -> Iterator[Finding]:
     - `steps`: optimizer steps watched.
     - `per_param`: per parameter `steps_with_grad` and `mean_lr`.
     """
-    minimum = current().never_moved_steps
+    minimum = current().no_gradient_steps
     tracks = [
         t
         for t in stats.params.values()
         if not t.pinned
-        and t.moved is not False  # DW301 says more: nothing changed it at all
-        and t.grad_present >= minimum
+        and not _never_moved(t)  # DW301 says more: nothing changed it at all
+        and t.steps >= minimum
+        and t.grad_present > 0
+        and t.lr0_steps < t.grad_present  # lr 0 whenever it had one: DW301/DW304's story
         and t.series.grad_rms
         and all(v == 0.0 for v in t.series.grad_rms if v is not None)
         and any(v is not None for v in t.series.grad_rms)
@@ -155,6 +159,84 @@ def gradient_always_zero(stats: WatchStats) -> Iterator[Finding]:
             "per_param": {
                 t.name: {"steps_with_grad": t.grad_present, "mean_lr": t.mean_lr} for t in tracks
             },
+        },
+    )
+
+
+def _never_moved(track: ParamTrack) -> bool:
+    """DW301 reports it (bitwise unchanged after its steps), with its cause."""
+    return track.moved is False and track.steps >= current().never_moved_steps
+
+
+@rule(
+    code="DW313",
+    name="never-got-gradient",
+    severity=Severity.ERROR,
+    summary="A parameter of a stepping optimizer got no gradient on any of the first steps.",
+    consumes=WatchStats,
+)
+def never_got_gradient(stats: WatchStats) -> Iterator[Finding]:
+    """
+    ## What it does
+    Counts, at every optimizer step, which parameters of the optimizer have a
+    gradient, and flags a trainable parameter whose gradient was None on every one of
+    at least 10 steps (`no-gradient-steps`), its optimizer stepping all along.
+    Parameters held by `deadweight.pin` are skipped. Once the parameter is also
+    bitwise unchanged after DW301's 50 steps, DW301 reports it instead, with its
+    cause; DW301's bitwise test stays for parameters that get gradients yet do not
+    move, and DW310 covers gradients that are present but exactly zero.
+
+    ## Why is this bad
+    A gradient that is None on every step is certain long before a parameter can be
+    seen not to move: nothing the loss depends on reaches it. A module registered but
+    never called in `forward`, a branch cut by `.detach()`, a layer whose output is
+    thrown away: the optimizer holds it, weight decay skips it, and a 40-step smoke
+    test, exactly when users look, passes in silence.
+
+    ## Example
+    ```python
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.proj, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(self.encoder(x))  # self.proj is never used
+    ```
+
+    ## Fix
+    Call the module in `forward`, or remove it (and from the optimizer). Run
+    `deadweight check` on the model to find where the graph is cut (DW101/DW102).
+    If it is meant to stay fixed, freeze it (`requires_grad_(False)`) or
+    `deadweight.pin` it.
+
+    ## Evidence
+    - `steps`: optimizer steps watched.
+    - `per_param`: per parameter `steps` (of its optimizer) and `optimizer`.
+    """
+    minimum = current().no_gradient_steps
+    tracks = [
+        t
+        for t in stats.params.values()
+        if not t.pinned
+        and t.group is not None  # in no watched optimizer: DW301 says so
+        and t.steps >= minimum
+        and t.grad_present == 0
+        and not _never_moved(t)
+    ]
+    if not tracks:
+        return
+    names = [t.name for t in tracks]
+    steps = min(t.steps for t in tracks)
+    yield get_rule("DW313").finding(
+        f"{len(names)} trainable parameter(s) got no gradient on any of {steps} optimizer "
+        f"steps ({name_list(names)}): nothing the loss depends on reaches them, so they "
+        "do not learn.",
+        params=names,
+        location=module_of(names),
+        evidence={
+            "steps": steps,
+            "per_param": {t.name: {"steps": t.steps, "optimizer": t.optimizer} for t in tracks},
         },
     )
 
