@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from deadweight import autograd_graph, param_roles, wrappers
-from deadweight.checking import cancellation, invariance, sharded_flow
+from deadweight.checking import cancellation_confirmation, invariance, sharded_flow
 from deadweight.checking import gates as gates_module
-from deadweight.checking.cancellation import StructureTracker
+from deadweight.checking.cancellation import StructureResult, StructureTracker
 from deadweight.checking.check_stats import (
     FLOAT32_EPS,
     Cancellation,
@@ -267,7 +267,7 @@ def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probe
     loss_eps = _screen_eps(loss)
     rerun = invariance.rerun_of(run.loss_fn, guard)
     capturing = _capturing_rerun(run.loss_fn, guard)
-    agree: cancellation.Agree | None = None
+    agree: cancellation_confirmation.Agree | None = None
     failed = flow.error is not None
     if run.shards is not None:
         value, stats, failed = sharded_flow.whole_statistics(run.shards, run.trainable, flow, value)
@@ -305,10 +305,14 @@ def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probe
             ),
         )
     if run.shards is not None:
-        probes, note = sharded_flow.screens(screened, stats, value, loss_eps, rerun, runnable)
+        probes, note = sharded_flow.screen_and_confirm_on_all_ranks(
+            screened, stats, value, loss_eps, rerun, runnable
+        )
         gated: dict[str, tuple[str, ...]] = {}  # the gates' walk reads local gradients
     else:
-        probes, note = invariance.probe(screened, stats, value, loss_eps, rerun, runnable)
+        probes, note = invariance.screen_and_confirm(
+            screened, stats, value, loss_eps, rerun, runnable
+        )
         gated = _gates_at_init(loss, with_grad, stats)
     return _Probed(value, loss_eps, stats, probes, note, structural, gated)
 
@@ -425,10 +429,10 @@ def _structure_verdict(
     loss: torch.Tensor,
     with_grad: list[tuple[str, nn.Parameter]],
     stats: dict[str, GradStats],
-    rerun: cancellation.Rerun,
+    rerun: cancellation_confirmation.Rerun,
     value: float,
     runnable: bool,
-    agree: cancellation.Agree | None,
+    agree: cancellation_confirmation.Agree | None,
 ) -> _Structural:
     """The structure pass's candidates, each confirmed by re-running the forward."""
     names = frozenset(n for n, _ in with_grad)
@@ -447,7 +451,7 @@ def _structure_verdict(
     note = None
     if candidates and runnable:
         params = dict(with_grad)
-        candidates = cancellation.confirm(
+        candidates = cancellation_confirmation.confirm_by_op_outputs(
             candidates,
             params,  # type: ignore[arg-type]
             structure.outputs,
@@ -455,7 +459,7 @@ def _structure_verdict(
             value,
             agree=agree,
         )
-        if any("not reproducible" in str(c.evidence.get("probe")) for c in candidates.values()):
+        if any(cancellation_confirmation.not_reproducible(c) for c in candidates.values()):
             note = (
                 "structural candidates not confirmed: re-running loss_fn gave other "
                 "outputs; make it use one fixed batch"
@@ -465,7 +469,7 @@ def _structure_verdict(
     return _Structural(candidates, found.influencing, found.opaque & names, note)
 
 
-def _ranks_agree(found: cancellation.StructureResult | None, agree: cancellation.Agree) -> bool:
+def _ranks_agree(found: StructureResult | None, agree: cancellation_confirmation.Agree) -> bool:
     """Whether every rank's structure pass found the same candidates and opaque
     parameters (a checksum of the names, compared by one reduction)."""
     if found is None:
@@ -483,13 +487,13 @@ def _capturing_rerun(
     [set[tuple[str, int]]], tuple[float | None, dict[tuple[str, int], torch.Tensor]] | None
 ]:
     """`loss_fn` re-run under no_grad on the checked run's RNG state, keeping the outputs
-    of the given calls (`cancellation.OutputCapture`); None when it raises."""
+    of the given calls (`cancellation_confirmation.OutputCapture`); None when it raises."""
 
     def rerun(
         targets: set[tuple[str, int]],
     ) -> tuple[float | None, dict[tuple[str, int], torch.Tensor]] | None:
         guard.reset_rng()
-        capture = cancellation.OutputCapture(targets, op_name)
+        capture = cancellation_confirmation.OutputCapture(targets, op_name)
         try:
             with torch.no_grad(), capture:
                 out = loss_fn()

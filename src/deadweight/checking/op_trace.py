@@ -39,8 +39,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.weak import WeakIdKeyDictionary
 
-from deadweight.checking.cancellation import COUNTED, StructureTracker
+from deadweight.checking.cancellation import StructureTracker
 from deadweight.checking.check_stats import Site
+from deadweight.checking.op_table import COUNTED
 from deadweight.checking.sites import (
     caller_frame,
     outermost_user_frame,
