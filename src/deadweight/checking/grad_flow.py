@@ -23,6 +23,7 @@ from torch import nn
 from deadweight import autograd_graph, param_roles, wrappers
 from deadweight.checking import cancellation_confirmation, invariance, sharded_flow
 from deadweight.checking import gates as gates_module
+from deadweight.checking.backward_reach import BackwardReach
 from deadweight.checking.cancellation import StructureResult, StructureTracker
 from deadweight.checking.check_stats import (
     FLOAT32_EPS,
@@ -168,18 +169,7 @@ def _trace(run: _Run, guard: ParamGuard) -> _Traced:
     return traced
 
 
-@dataclass
-class _Flow:
-    """What the backward reached."""
-
-    error: str | None  # a custom op without autograd stopped it
-    cuts: list[Cut]  # ops that dropped or refused the gradient in backward
-    reached: set[int]  # ids of the parameters (and stand-ins) it reached
-    has_grad: dict[int, bool]
-    grads: dict[str, torch.Tensor | None]  # taken before the model's own grads go back
-
-
-def _backward_step(run: _Run, traced: _Traced) -> _Flow:
+def _backward_step(run: _Run, traced: _Traced) -> BackwardReach:
     error: str | None = None
     cuts: list[Cut] = []
     reached = traced.walk.leaves
@@ -205,10 +195,10 @@ def _backward_step(run: _Run, traced: _Traced) -> _Flow:
     else:  # backward stopped half-way: what would have arrived is what is reachable
         has_grad = {id(p): id(p) in reached_ids for _, p in run.trainable}
     grads = {n: p.grad for n, p in run.trainable}
-    return _Flow(error, cuts, reached_ids, has_grad, grads)
+    return BackwardReach(error, cuts, reached_ids, has_grad, grads)
 
 
-def _collect_cuts(run: _Run, traced: _Traced, flow: _Flow) -> list[Cut]:
+def _collect_cuts(run: _Run, traced: _Traced, flow: BackwardReach) -> list[Cut]:
     """The forward's candidate cuts: a loss without graph, the ops that cut it, and
     modules whose outputs never reached the loss."""
     cuts: list[Cut] = []
@@ -257,7 +247,7 @@ class _Probed:
     gated_by: dict[str, tuple[str, ...]] = field(default_factory=dict)  # zero gradient -> gates
 
 
-def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probed:
+def _probe(run: _Run, traced: _Traced, flow: BackwardReach, guard: ParamGuard) -> _Probed:
     """Gradient statistics, then the structure pass's candidates confirmed and the
     numerical screens' candidates probed by re-running the forward. Under FSDP2 the
     statistics are the whole parameters' and every re-run is made by all ranks
@@ -351,7 +341,7 @@ def _assemble(
     run: _Run,
     optimizer: torch.optim.Optimizer | None,
     traced: _Traced,
-    flow: _Flow,
+    flow: BackwardReach,
     probed: _Probed,
     cuts: list[Cut],
     param_writes: list[ParamWrite],

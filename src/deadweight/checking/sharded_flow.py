@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from deadweight.checking import cancellation_confirmation, invariance
+from deadweight.checking.backward_reach import BackwardReach
 from deadweight.checking.check_stats import GradStats, ProbeResult
 from deadweight.distributed import ranks as distributed
 from deadweight.errors import CollectiveError
-
-if TYPE_CHECKING:
-    from deadweight.checking.grad_flow import _Flow
 
 
 def stand_ins(model: nn.Module, names_by_id: dict[int, str]) -> dict[int, torch.Tensor]:
@@ -40,7 +37,7 @@ def stand_ins(model: nn.Module, names_by_id: dict[int, str]) -> dict[int, torch.
 def whole_statistics(
     shards: distributed.Shards,
     trainable: list[tuple[str, nn.Parameter]],
-    flow: _Flow,
+    flow: BackwardReach,
     value: float,
 ) -> tuple[float, dict[str, GradStats], bool]:
     """The whole parameters' gradient statistics, the loss of the whole batch and
