@@ -84,8 +84,8 @@ def _imports_for_typing_too(path: Path, modules: dict[str, Path]) -> set[str]:
 
 def test_the_check_has_no_circle_even_through_imports_for_typing() -> None:
     """A type two modules share lives in a module of its own, not in one of them
-    (sharded_flow once imported grad_flow's private `_Flow` for typing while grad_flow
-    imported sharded_flow)."""
+    (sharded_flow once imported the flow measurement's private `_Flow` for typing,
+    while the measurement imported sharded_flow)."""
     modules = {m: p for m, p in _modules().items() if m.startswith("deadweight.checking")}
     graph = {m: _imports_for_typing_too(p, modules) - {m} for m, p in modules.items()}
     circles = []
@@ -150,7 +150,7 @@ def test_the_measuring_modules_are_caught() -> None:
     """The statistics test above would pass vacuously if it classed tracers as
     statistics; the modules that measure are not."""
     for measuring in (
-        "deadweight.checking.grad_flow",
+        "deadweight.checking.flow_measurement",
         "deadweight.checking.cancellation",
         "deadweight.checking.invariance",
         "deadweight.checking.optimizer_groups",
@@ -184,7 +184,7 @@ def test_every_public_name_is_where_the_documentation_says(module: str) -> None:
     assert missing == []
     if module == "deadweight":  # the functions, not the capability packages of like name
         assert callable(deadweight.check) and callable(deadweight.watch)
-        importlib.import_module("deadweight.checking.grad_flow")
+        importlib.import_module("deadweight.checking.flow_measurement")
         importlib.import_module("deadweight.watching.step_monitor")
         assert callable(deadweight.check) and callable(deadweight.watch)
 

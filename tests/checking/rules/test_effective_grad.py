@@ -18,7 +18,7 @@ from torch import nn
 import deadweight
 from deadweight import Severity
 from deadweight.checking import check_stats, invariance
-from deadweight.checking.grad_flow import measure_grad_flow
+from deadweight.checking.flow_measurement import measure_grad_flow
 from deadweight.demos import layer_scalar_drift as d
 from tests.tiny_transformers import bert_config
 
