@@ -102,6 +102,22 @@ def test_the_check_has_no_circle_even_through_imports_for_typing() -> None:
     assert circles == []
 
 
+# File names several modules may share: packages, the capabilities' entry points, and
+# cli/ modules named after their subcommand (`deadweight config` beside config.py).
+SHARED_FILE_NAMES = {"__init__.py", "api.py"}
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    """A name says which module it is (checking/grad_flow.py measured gradient flow
+    beside checking/rules/grad_flow.py, which judges it)."""
+    by_name: dict[str, list[str]] = {}
+    for path in SRC.rglob("*.py"):
+        if path.name in SHARED_FILE_NAMES or path.parent.name == "cli":
+            continue
+        by_name.setdefault(path.name, []).append(str(path.relative_to(SRC)))
+    assert {n: ps for n, ps in by_name.items() if len(ps) > 1} == {}
+
+
 def test_a_capability_uses_another_only_through_its_entry_point() -> None:
     modules = _modules()
     crossing = []

@@ -85,7 +85,7 @@ def measure_grad_flow(
         # probes re-run the forward from the values the checked one started from.
         guard.restore()
         cuts = flow.cuts + _collect_cuts(run, traced, flow)
-        probed = _probe(run, traced, flow, guard)
+        probed = _statistics_and_probes(run, traced, flow, guard)
     param_writes = guard.writes()
     if param_writes:
         log.debug("the forward wrote to parameters: %s", param_writes)
@@ -247,7 +247,7 @@ class _Probed:
     gated_by: dict[str, tuple[str, ...]] = field(default_factory=dict)  # zero gradient -> gates
 
 
-def _probe(run: _Run, traced: _Traced, flow: BackwardReach, guard: ParamGuard) -> _Probed:
+def _statistics_and_probes(run: _Run, traced: _Traced, flow: BackwardReach, guard: ParamGuard) -> _Probed:
     """Gradient statistics, then the structure pass's candidates confirmed and the
     numerical screens' candidates probed by re-running the forward. Under FSDP2 the
     statistics are the whole parameters' and every re-run is made by all ranks
