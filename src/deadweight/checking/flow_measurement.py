@@ -247,7 +247,9 @@ class _Probed:
     gated_by: dict[str, tuple[str, ...]] = field(default_factory=dict)  # zero gradient -> gates
 
 
-def _statistics_and_probes(run: _Run, traced: _Traced, flow: BackwardReach, guard: ParamGuard) -> _Probed:
+def _statistics_and_probes(
+    run: _Run, traced: _Traced, flow: BackwardReach, guard: ParamGuard
+) -> _Probed:
     """Gradient statistics, then the structure pass's candidates confirmed and the
     numerical screens' candidates probed by re-running the forward. Under FSDP2 the
     statistics are the whole parameters' and every re-run is made by all ranks
