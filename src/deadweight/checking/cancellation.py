@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.utils.weak import WeakIdRef
 
 from deadweight import autograd_graph
 from deadweight.checking.carrier_algebra import (
@@ -111,7 +111,7 @@ class StructureTracker:
         self._names = [names.get(pid, str(pid)) for pid in params]
         self.param_names = self._names
         self._entry: dict[int, Carrier] = {}
-        self._carriers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._carriers = _TensorCarriers()
         self.absorbed: dict[int, list[Mechanism]] = {}
         self.opaque: set[int] = set()  # parameter indices
         # The entities (parameter and kind) that reached a call the pass cannot see
@@ -152,7 +152,7 @@ class StructureTracker:
                 )
                 self._coarsen(entry, value)
             return entry
-        return self._carriers.get(value, EMPTY)
+        return self._carriers.get(value)
 
     def _stand_in_index(self, leaf: Tensor) -> int | None:
         pid = id(leaf)
@@ -170,10 +170,10 @@ class StructureTracker:
     def _set(self, out: object, c: Carrier) -> None:
         if isinstance(out, Tensor):
             if c.lost or c.partial or c.pure:
-                self._carriers[out] = c
+                self._carriers.set(out, c)
                 self._coarsen(c, out)
-            elif out in self._carriers:
-                del self._carriers[out]
+            else:
+                self._carriers.discard(out)
 
     def _coarsen(self, c: Carrier, value: Tensor) -> None:
         """Note that the pure effects of `c` now sit in `value`'s dtype."""
@@ -233,12 +233,14 @@ class StructureTracker:
     def _observe(
         self, func: Any, name: str, ordinal: int, args: tuple, kwargs: dict, out: Any
     ) -> None:
-        values = list(flat_args(args, kwargs))
-        carriers = [self.carrier(v) for v in values]
-        if not any(c.lost or c.partial or c.pure for c in carriers):
-            return
-        outs = [o for o in tensor_outputs(out)]
+        # Most calls need no bookkeeping: those that return no tensor (shape, size,
+        # dtype) and those whose inputs carry no parameter's effect (ids, masks,
+        # positions): they leave before any carrier is made.
+        outs = tensor_outputs(out)
         if not outs:
+            return
+        carriers = [self.carrier(v) for v in flat_args(args, kwargs)]
+        if not any(c.lost or c.partial or c.pure for c in carriers):
             return
         propagate = PROPAGATORS.get(name)
         if propagate is None:
@@ -264,20 +266,26 @@ class StructureTracker:
     def absorb(
         self, ctx: OpCall, entity: int, facet: Facet, op: str, dims: Iterable[int], full: bool
     ) -> None:
+        if ctx.where is None:
+            # Where the call ran, and its outputs' rounding: the same for every effect it
+            # cancels, so the frame walk is made once per call, not once per parameter.
+            ctx.where = (
+                user_site(sys._getframe(1)),
+                self._current_module(),
+                max([FLOAT32_ROUNDOFF] + [unit_roundoff(o.dtype) for o in tensor_outputs(ctx.out)]),
+            )
+        site, module, out_rounding = ctx.where
         self.absorbed.setdefault(entity, []).append(
             Mechanism(
                 op=op,
                 call=ctx.name,
                 ordinal=ctx.ordinal,
-                site=user_site(sys._getframe(1)),
-                module=self._current_module(),
+                site=site,
+                module=module,
                 dims=tuple(sorted(dims)),
                 facet="full" if full else "uniform",
                 approx=facet.approx or op in EPS_OPS,
-                rounding=max(
-                    [self._rounding.get(entity, FLOAT32_ROUNDOFF)]
-                    + [unit_roundoff(o.dtype) for o in tensor_outputs(ctx.out)]
-                ),
+                rounding=max(self._rounding.get(entity, FLOAT32_ROUNDOFF), out_rounding),
             )
         )
         ctx.absorbed = True
@@ -339,6 +347,38 @@ def _unique(mechanisms: list[Mechanism]) -> tuple[Mechanism, ...]:
     for m in mechanisms:
         seen.setdefault((m.call, m.ordinal), m)
     return tuple(seen.values())
+
+
+class _TensorCarriers:
+    """Carriers by tensor, held weakly: a dict by id, each entry with a weak reference
+    that tells a live tensor from a later one that reused its id, and drops the entry
+    when its tensor dies. (A WeakIdKeyDictionary built a weak key object on every
+    lookup, several per traced call.)"""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[WeakIdRef, Carrier]] = {}
+
+    def get(self, value: Tensor) -> Carrier:
+        entry = self._by_id.get(id(value))
+        if entry is not None and entry[0]() is value:
+            return entry[1]
+        return EMPTY
+
+    def set(self, value: Tensor, carrier: Carrier) -> None:
+        key = id(value)
+        by_id = self._by_id
+
+        def drop(ref: WeakIdRef) -> None:
+            entry = by_id.get(key)
+            if entry is not None and entry[0] is ref:
+                del by_id[key]
+
+        by_id[key] = (WeakIdRef(value, drop), carrier)
+
+    def discard(self, value: Tensor) -> None:
+        entry = self._by_id.get(id(value))
+        if entry is not None and entry[0]() is value:
+            del self._by_id[id(value)]
 
 
 def _is_custom_op(func: Any) -> bool:

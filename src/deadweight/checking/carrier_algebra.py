@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
@@ -132,7 +132,11 @@ def reshape_dims(
 def map_facet(f: Facet, mapping: Callable[[frozenset[int]], frozenset[int] | None]) -> Facet:
     if f.full is None:
         return f
-    return replace(f, full=mapping(f.full))
+    full = mapping(f.full)
+    if full == f.full:
+        return f
+    # not dataclasses.replace: this runs for every pure effect of every traced view
+    return Facet(f.kind, full, f.uniform, f.degree, f.approx, f.tag)
 
 
 def map_carrier(c: Carrier, mapping: Callable[[frozenset[int]], frozenset[int] | None]) -> Carrier:

@@ -67,6 +67,9 @@ class OpCall:
     kwargs: dict
     out: Any
     absorbed: bool = False
+    # Filled by the tracker at the first effect the call cancels: its user site, module
+    # and the rounding of its outputs
+    where: tuple[Any, Any, float] | None = None
 
     def arg(self, i: int, key: str, default: Any = None) -> Any:
         if len(self.args) > i:
