@@ -8,12 +8,14 @@ the rules.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import math
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +133,22 @@ class _Traced:
     grad_enabled_at_site: bool | None = None
 
 
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the traced forward. The structure pass
+    allocates many small short-lived objects per call (carriers, sets, facets), which
+    triggered collections that each scanned the whole heap (model, framework): about a
+    sixth of check's time on a dispatch-bound 12-layer GPT-2. Nothing the forward
+    leaves behind is lost: collection resumes when the forward returns."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _trace(run: _Run, guard: ParamGuard) -> _Traced:
     """Run `loss_fn` under the module and op tracers (and the structure pass)."""
     modules = ModuleTracer(run.model)
@@ -143,7 +161,7 @@ def _trace(run: _Run, guard: ParamGuard) -> _Traced:
         structure=run.structure,
     )
     try:
-        with modules, tracer:
+        with _collection_paused(), modules, tracer:
             raw = run.loss_fn()
     except Exception as exc:
         raise LossFnError(
