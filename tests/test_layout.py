@@ -51,22 +51,26 @@ def _capability(module: str) -> str | None:
     return parts[1] if len(parts) > 2 and parts[1] in CAPABILITIES else None
 
 
-def test_no_module_imports_itself_back_through_others() -> None:
-    modules = _modules()
-    graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
-    # every module's reach, by depth-first search; a cycle is a module that reaches itself
-    cycles = []
+def _circles(graph: dict[str, set[str]]) -> list[str]:
+    """Every module's reach, by depth-first search; a module that reaches itself is on
+    a circle."""
+    circles = []
     for start in graph:
         stack, seen = list(graph[start]), set()
         while stack:
             m = stack.pop()
             if m == start:
-                cycles.append(start)
+                circles.append(start)
                 break
             if m not in seen:
                 seen.add(m)
                 stack.extend(graph[m])
-    assert cycles == []
+    return circles
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    modules = _modules()
+    assert _circles({m: _imports(p, modules) - {m} for m, p in modules.items()}) == []
 
 
 def _imports_for_typing_too(path: Path, modules: dict[str, Path]) -> set[str]:
@@ -88,18 +92,7 @@ def test_the_check_has_no_circle_even_through_imports_for_typing() -> None:
     while the measurement imported sharded_flow)."""
     modules = {m: p for m, p in _modules().items() if m.startswith("deadweight.checking")}
     graph = {m: _imports_for_typing_too(p, modules) - {m} for m, p in modules.items()}
-    circles = []
-    for start in graph:
-        stack, seen = list(graph[start]), set()
-        while stack:
-            m = stack.pop()
-            if m == start:
-                circles.append(start)
-                break
-            if m not in seen:
-                seen.add(m)
-                stack.extend(graph[m])
-    assert circles == []
+    assert _circles(graph) == []
 
 
 # File names several modules may share: packages, the capabilities' entry points, and

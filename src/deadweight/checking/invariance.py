@@ -77,6 +77,27 @@ RERUN_LOSS_TOLERANCE = 1e-4
 
 def grad_stats(params: Sequence[torch.Tensor]) -> list[GradStats]:
     """Per-parameter gradient statistics in one device-to-host transfer."""
+    if not params:
+        return []
+    if len({p.device for p in params}) == 1:
+        values = _stat_rows_at_once(params)
+    else:
+        values = _stat_rows(params)
+    return [
+        GradStats(
+            grad_norm=v[0],
+            grad_dot_param=v[1],
+            grad_sum=v[2],
+            param_norm=v[3],
+            param_rms=v[3] / math.sqrt(max(p.numel(), 1)),
+            exact_zero=v[4] == 0.0,
+        )
+        for v, p in zip(values, params, strict=True)
+    ]
+
+
+def _stat_rows(params: Sequence[torch.Tensor]) -> list[list[float]]:
+    """[|g|, <g, theta>, sum g, |theta|, any g != 0] per parameter, tensor by tensor."""
     rows = []
     for p in params:
         g = p.grad
@@ -93,20 +114,27 @@ def grad_stats(params: Sequence[torch.Tensor]) -> list[GradStats]:
                 ]
             ).cpu()
         )
-    if not rows:
-        return []
-    values = torch.stack(rows).tolist()  # the one host sync
-    return [
-        GradStats(
-            grad_norm=v[0],
-            grad_dot_param=v[1],
-            grad_sum=v[2],
-            param_norm=v[3],
-            param_rms=v[3] / math.sqrt(max(p.numel(), 1)),
-            exact_zero=v[4] == 0.0,
-        )
-        for v, p in zip(values, params, strict=True)
+    return torch.stack(rows).tolist()  # the one host sync
+
+
+def _stat_rows_at_once(params: Sequence[torch.Tensor]) -> list[list[float]]:
+    """The same rows with the norms and products taken over all parameters at once
+    (torch._foreach_*: a third of the calls, each the same kernel per tensor on CPU);
+    the last column counts nonzero gradient entries (0 exactly when none is)."""
+    grads = []
+    for p in params:
+        assert p.grad is not None
+        grads.append(p.grad.detach().float())
+    thetas = [p.detach().float() for p in params]
+    columns = [
+        torch._foreach_norm(grads),
+        [x.sum() for x in torch._foreach_mul(grads, thetas)],
+        [g.sum() for g in grads],
+        torch._foreach_norm(thetas),
+        torch._foreach_norm(grads, 0),
     ]
+    rows = torch.stack([torch.stack(list(c)).float() for c in columns], dim=1)
+    return rows.cpu().tolist()  # the one host sync
 
 
 def grad_stats_from_sums(sums: Sequence[Sequence[float]], numels: Sequence[int]) -> list[GradStats]:
