@@ -9,7 +9,12 @@ cuts). The variants
 run interleaved (plain, check, plain, check, ...) so machine noise hits both alike;
 each figure is the median of the per-pair ratios.
 
-    python benchmarks/check_overhead.py [--pairs 15] [--threads 2]
+A second, *dispatch-bound* case follows: the same GPT-2 code at 12 layers of width
+64, batch 2x32, one thread. Its kernels are tiny, so a step costs what Python and
+torch's dispatch cost per op, as on a GPU: there the tracer's cost per intercepted
+call is what `check` adds. `--case` runs one of the two only.
+
+    python benchmarks/check_overhead.py [--pairs 15] [--threads 2] [--case 20m|dispatch|all]
 """
 
 from __future__ import annotations
@@ -27,13 +32,15 @@ import deadweight
 transformers.logging.set_verbosity_error()  # config chatter, not results
 
 
-def build(batch: int, seq: int) -> tuple[torch.nn.Module, torch.Tensor]:
+def build(
+    batch: int, seq: int, width: int = 512, layers: int = 6, heads: int = 8
+) -> tuple[torch.nn.Module, torch.Tensor]:
     config = GPT2Config(
         vocab_size=8192,
         n_positions=seq,
-        n_embd=512,
-        n_layer=6,
-        n_head=8,
+        n_embd=width,
+        n_layer=layers,
+        n_head=heads,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
@@ -77,20 +84,38 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--case", choices=("20m", "dispatch", "all"), default="all")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
 
-    model, ids = build(args.batch, args.seq)
-    n_params = sum(p.numel() for p in model.parameters())
-    variants: dict[str, tuple[torch.nn.Module, str | None]] = {"healthy": (model, None)}
-    for k in (1, 4, 16):
-        m, _ = build(args.batch, args.seq)
-        add_cancelled_scalars(m, k)
-        variants[f"+{k} cancelled scalar{'s' if k > 1 else ''}"] = (m, "DW104")
-    broken, _ = build(args.batch, args.seq)
-    n_fused = fuse_layernorms(broken)
-    variants[f"{n_fused} LayerNorms fused"] = (broken, "DW102")
+    if args.case in ("20m", "all"):
+        torch.set_num_threads(args.threads)
+        model, ids = build(args.batch, args.seq)
+        variants: dict[str, tuple[torch.nn.Module, str | None]] = {"healthy": (model, None)}
+        for k in (1, 4, 16):
+            m, _ = build(args.batch, args.seq)
+            add_cancelled_scalars(m, k)
+            variants[f"+{k} cancelled scalar{'s' if k > 1 else ''}"] = (m, "DW104")
+        broken, _ = build(args.batch, args.seq)
+        n_fused = fuse_layernorms(broken)
+        variants[f"{n_fused} LayerNorms fused"] = (broken, "DW102")
+        compare(variants, ids, args.pairs, args.threads, f"batch {args.batch}x{args.seq}")
 
+    if args.case in ("dispatch", "all"):
+        # Dispatch-bound: 12 layers of width 64, batch 2x32, one thread.
+        torch.set_num_threads(1)
+        model, ids = build(2, 32, width=64, layers=12, heads=4)
+        print()
+        compare({"healthy": (model, None)}, ids, args.pairs, 1, "batch 2x32, dispatch-bound")
+
+
+def compare(
+    variants: dict[str, tuple[torch.nn.Module, str | None]],
+    ids: torch.Tensor,
+    pairs: int,
+    threads: int,
+    setting: str,
+) -> None:
+    """Interleaved pairs (plain, check) per variant; prints the medians of the ratios."""
     calls = {name: 0 for name in variants}
 
     def plain(m: torch.nn.Module) -> None:
@@ -122,18 +147,22 @@ def main() -> None:
     forwards = {name: calls[name] / 2 for name in variants}
 
     ratios: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.pairs):
+    for _ in range(pairs):
         for name, (m, _) in variants.items():
             a = timed(plain, m)
             b = timed(check, name)
             ratios[name].append(b / a)
 
+    model = next(iter(variants.values()))[0]
+    n_params = sum(p.numel() for p in model.parameters())
+    layers = len(model.transformer.h)  # type: ignore[union-attr,arg-type]
     print(
         f"model: transformers GPT2LMHeadModel, {n_params / 1e6:.1f}M parameters, "
-        f"batch {args.batch}x{args.seq}, {args.threads} threads, torch {torch.__version__}"
+        f"{layers} layers of width {model.config.n_embd}, {setting}, {threads} thread(s), "
+        f"torch {torch.__version__}"
     )
     print(
-        f"check / plain forward+backward of the same model, median of {args.pairs} "
+        f"check / plain forward+backward of the same model, median of {pairs} "
         "interleaved pairs (loss_fn calls per check in brackets):"
     )
     for name, values in ratios.items():

@@ -51,22 +51,64 @@ def _capability(module: str) -> str | None:
     return parts[1] if len(parts) > 2 and parts[1] in CAPABILITIES else None
 
 
-def test_no_module_imports_itself_back_through_others() -> None:
-    modules = _modules()
-    graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
-    # every module's reach, by depth-first search; a cycle is a module that reaches itself
-    cycles = []
+def _circles(graph: dict[str, set[str]]) -> list[str]:
+    """Every module's reach, by depth-first search; a module that reaches itself is on
+    a circle."""
+    circles = []
     for start in graph:
         stack, seen = list(graph[start]), set()
         while stack:
             m = stack.pop()
             if m == start:
-                cycles.append(start)
+                circles.append(start)
                 break
             if m not in seen:
                 seen.add(m)
                 stack.extend(graph[m])
-    assert cycles == []
+    return circles
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    modules = _modules()
+    assert _circles({m: _imports(p, modules) - {m} for m, p in modules.items()}) == []
+
+
+def _imports_for_typing_too(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules `path` imports, `if TYPE_CHECKING:` blocks included."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in modules}
+
+
+def test_the_check_has_no_circle_even_through_imports_for_typing() -> None:
+    """A type two modules share lives in a module of its own, not in one of them
+    (sharded_flow once imported the flow measurement's private `_Flow` for typing,
+    while the measurement imported sharded_flow)."""
+    modules = {m: p for m, p in _modules().items() if m.startswith("deadweight.checking")}
+    graph = {m: _imports_for_typing_too(p, modules) - {m} for m, p in modules.items()}
+    assert _circles(graph) == []
+
+
+# File names several modules may share: packages, the capabilities' entry points, and
+# cli/ modules named after their subcommand (`deadweight config` beside config.py).
+SHARED_FILE_NAMES = {"__init__.py", "api.py"}
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    """A name says which module it is (checking/grad_flow.py measured gradient flow
+    beside checking/rules/grad_flow.py, which judges it)."""
+    by_name: dict[str, list[str]] = {}
+    for path in SRC.rglob("*.py"):
+        if path.name in SHARED_FILE_NAMES or path.parent.name == "cli":
+            continue
+        by_name.setdefault(path.name, []).append(str(path.relative_to(SRC)))
+    assert {n: ps for n, ps in by_name.items() if len(ps) > 1} == {}
 
 
 def test_a_capability_uses_another_only_through_its_entry_point() -> None:
@@ -117,7 +159,7 @@ def test_the_measuring_modules_are_caught() -> None:
     """The statistics test above would pass vacuously if it classed tracers as
     statistics; the modules that measure are not."""
     for measuring in (
-        "deadweight.checking.grad_flow",
+        "deadweight.checking.flow_measurement",
         "deadweight.checking.cancellation",
         "deadweight.checking.invariance",
         "deadweight.checking.optimizer_groups",
@@ -151,7 +193,7 @@ def test_every_public_name_is_where_the_documentation_says(module: str) -> None:
     assert missing == []
     if module == "deadweight":  # the functions, not the capability packages of like name
         assert callable(deadweight.check) and callable(deadweight.watch)
-        importlib.import_module("deadweight.checking.grad_flow")
+        importlib.import_module("deadweight.checking.flow_measurement")
         importlib.import_module("deadweight.watching.step_monitor")
         assert callable(deadweight.check) and callable(deadweight.watch)
 

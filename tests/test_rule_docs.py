@@ -25,6 +25,26 @@ def test_every_rule_documents_every_section(code: str) -> None:
     assert page.startswith(f"# {rule.code} {rule.name}\n")
 
 
+REPO = Path(__file__).parents[1]
+
+
+@pytest.mark.parametrize("code", [r.code for r in all_rules()])
+def test_every_rule_page_names_the_file_that_judges_it(code: str) -> None:
+    rule = get_rule(code)
+    source = REPO / rule.source
+    assert source.is_file(), rule.source
+    assert f'code="{code}"' in source.read_text(), (code, rule.source)
+    assert f"- source: [`{rule.source}`](../../{rule.source})" in rule_docs.rule_page(rule)
+    assert (DOCS / rule.source.replace("src/", "../../src/", 1)).resolve() == source.resolve()
+
+
+def test_deadweight_rules_prints_where_the_rule_is(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rules", "DW302", "--format", "markdown"]) == 0
+    assert "src/deadweight/watching/rules/dynamics.py" in capsys.readouterr().out
+    assert main(["rules", "DW302", "--format", "json"]) == 0
+    assert '"source": "src/deadweight/watching/rules/dynamics.py"' in capsys.readouterr().out
+
+
 def test_a_rule_without_evidence_or_with_an_empty_fix_is_caught() -> None:
     rule = get_rule("DW101")
     no_evidence = dataclasses.replace(rule, doc=rule.doc.split("## Evidence")[0])

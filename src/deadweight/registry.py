@@ -63,6 +63,12 @@ class Rule:
     def family(self) -> str:
         return FAMILIES[self.code[2]]
 
+    @property
+    def source(self) -> str:
+        """The file that declares and judges this rule, from the repository's root
+        (`src/deadweight/watching/rules/dynamics.py`)."""
+        return "src/" + self.judge.__module__.replace(".", "/") + ".py"
+
     def sections(self) -> dict[str, str]:
         """The documentation split by its `## Heading` lines."""
         return _split_sections(self.doc)

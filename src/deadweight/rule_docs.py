@@ -55,6 +55,7 @@ def rule_page(rule: Rule) -> str:
         f"- severity: {rule.severity.value}",
         f"- family: DW{rule.code[2]}xx, {rule.family}",
         f"- found by: {_FOUND_BY[rule.code[2]]}",
+        f"- source: [`{rule.source}`](../../{rule.source}) (`{rule.judge.__name__}`)",
         "",
     ]
     for heading in DOC_SECTIONS:

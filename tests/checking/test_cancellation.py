@@ -19,9 +19,9 @@ from torch import nn
 
 import deadweight
 from deadweight import Severity
-from deadweight.checking.cancellation import relative_change
+from deadweight.checking.cancellation_confirmation import relative_change
 from deadweight.checking.check_stats import GradFlowStats
-from deadweight.checking.grad_flow import measure_grad_flow
+from deadweight.checking.flow_measurement import measure_grad_flow
 from tests.conftest import marker_line
 
 LossOf = Callable[[nn.Module], torch.Tensor]

@@ -78,7 +78,7 @@ def fused_check(rank: int, world: int, hsdp: bool = False) -> dict[str, Any]:
     out["grads_left"] = [n for n, p in model.named_parameters() if p.grad is not None]
     out["dtensor"] = all(hasattr(p, "to_local") for p in model.parameters()) if world > 1 else None
     # The gradient statistics check judges by, combined from the shards ...
-    from deadweight.checking.grad_flow import measure_grad_flow
+    from deadweight.checking.flow_measurement import measure_grad_flow
     from deadweight.distributed import ranks as distributed
 
     shards = distributed.Shards(distributed.ranks_for(model))

@@ -19,7 +19,7 @@ from deadweight.checking.first_backward import (
     RecordedForward,
     first_backward_findings,
 )
-from deadweight.checking.grad_flow import measure_grad_flow
+from deadweight.checking.flow_measurement import measure_grad_flow
 from deadweight.checking.sites import user_site
 from deadweight.config import ConfigLike, applies_settings
 from deadweight.distributed import ranks as distributed

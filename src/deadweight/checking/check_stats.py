@@ -1,6 +1,6 @@
 """What `check` measured, as the rules read it: plain statistics, no tracing.
 
-The tracers (grad_flow, op_trace, module_trace, cancellation, invariance, state,
+The tracers (flow_measurement, op_trace, module_trace, cancellation, invariance, state,
 optimizer_groups) fill these in; the rules in `checking/rules/` judge them and
 import nothing else of the check, so a rule can never re-measure.
 """
@@ -194,7 +194,7 @@ class OptimizerFacts:
     duplicates: list[str] = field(default_factory=list)  # listed more than once
 
 
-# -- gradient flow (checking/grad_flow.py) --------------------------------------------
+# -- gradient flow (checking/flow_measurement.py) --------------------------------------
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,19 @@ from typing import Any
 
 import torch
 
-from deadweight.checking import state
 from deadweight.checking.check_stats import (
     SCALE_FACTOR,
     GradStats,
     ProbeResult,
     loss_scale,
+)
+from deadweight.checking.perturbation import (
+    FIXED_BATCH_HINT,
+    Budget,
+    reproduces,
+    restored,
+    settle,
+    spread,
 )
 
 # A first-order relative loss change below this makes a parameter a candidate. In a
@@ -57,9 +64,12 @@ SCREEN = 5e-4
 CONFIRM_ULPS = 32
 # The x10 point of the scale probe may move the loss by at most this fraction (the
 # eps residue of a normalization); more means the parameter has a real influence.
-SCALE_RESIDUE = 1e-3
+SCALE_LOSS_RESIDUE = 1e-3
 # At most this many extra forwards per check for the functional probes, half per kind.
 MAX_PROBE_FORWARDS = 24
+# An unchanged re-run reproduces the checked loss when it stays within this fraction
+# of it: loosely, as no_grad may pick other kernels than the checked run did.
+RERUN_LOSS_TOLERANCE = 1e-4
 # A gradient is at the noise floor when moving the parameter by its own size (by 1
 # for an all-zero one) would, to first order, change the loss by less than
 # `noise-floor-ulps` ulps of the loss (deadweight.thresholds, 16 by default).
@@ -67,6 +77,27 @@ MAX_PROBE_FORWARDS = 24
 
 def grad_stats(params: Sequence[torch.Tensor]) -> list[GradStats]:
     """Per-parameter gradient statistics in one device-to-host transfer."""
+    if not params:
+        return []
+    if len({p.device for p in params}) == 1:
+        values = _stat_rows_at_once(params)
+    else:
+        values = _stat_rows(params)
+    return [
+        GradStats(
+            grad_norm=v[0],
+            grad_dot_param=v[1],
+            grad_sum=v[2],
+            param_norm=v[3],
+            param_rms=v[3] / math.sqrt(max(p.numel(), 1)),
+            exact_zero=v[4] == 0.0,
+        )
+        for v, p in zip(values, params, strict=True)
+    ]
+
+
+def _stat_rows(params: Sequence[torch.Tensor]) -> list[list[float]]:
+    """[|g|, <g, theta>, sum g, |theta|, any g != 0] per parameter, tensor by tensor."""
     rows = []
     for p in params:
         g = p.grad
@@ -83,20 +114,27 @@ def grad_stats(params: Sequence[torch.Tensor]) -> list[GradStats]:
                 ]
             ).cpu()
         )
-    if not rows:
-        return []
-    values = torch.stack(rows).tolist()  # the one host sync
-    return [
-        GradStats(
-            grad_norm=v[0],
-            grad_dot_param=v[1],
-            grad_sum=v[2],
-            param_norm=v[3],
-            param_rms=v[3] / math.sqrt(max(p.numel(), 1)),
-            exact_zero=v[4] == 0.0,
-        )
-        for v, p in zip(values, params, strict=True)
+    return torch.stack(rows).tolist()  # the one host sync
+
+
+def _stat_rows_at_once(params: Sequence[torch.Tensor]) -> list[list[float]]:
+    """The same rows with the norms and products taken over all parameters at once
+    (torch._foreach_*: a third of the calls, each the same kernel per tensor on CPU);
+    the last column counts nonzero gradient entries (0 exactly when none is)."""
+    grads = []
+    for p in params:
+        assert p.grad is not None
+        grads.append(p.grad.detach().float())
+    thetas = [p.detach().float() for p in params]
+    columns = [
+        torch._foreach_norm(grads),
+        [x.sum() for x in torch._foreach_mul(grads, thetas)],
+        [g.sum() for g in grads],
+        torch._foreach_norm(thetas),
+        torch._foreach_norm(grads, 0),
     ]
+    rows = torch.stack([torch.stack(list(c)).float() for c in columns], dim=1)
+    return rows.cpu().tolist()  # the one host sync
 
 
 def grad_stats_from_sums(sums: Sequence[Sequence[float]], numels: Sequence[int]) -> list[GradStats]:
@@ -124,7 +162,7 @@ class _Candidate:
     step: float  # the shift amount; unused for scale
 
 
-def confirm(
+def confirm_by_loss(
     candidates: Sequence[tuple[str, torch.Tensor, str, float, float]],
     rerun: Callable[[], float | None],
     base: float,
@@ -132,88 +170,85 @@ def confirm(
     *,
     split: bool = True,
     max_group: int = 8,
-    budget: list[int] | None = None,
+    budget: Budget | None = None,
 ) -> dict[tuple[str, str], ProbeResult]:
     """Probe (name, param, kind, screen score, shift step) candidates; see the module doc.
 
     `rerun()` re-runs the loss function under no_grad on the same RNG state and
     returns its value (None when that is impossible). With `split=False` a group
     that moves the loss is not searched further (its members stay unconfirmed).
-    `budget` is a shared one-element list counting the forwards left.
+    `budget` counts the forwards left (shared between calls).
     """
     results: dict[tuple[str, str], ProbeResult] = {}
-    budget = budget if budget is not None else [MAX_PROBE_FORWARDS]
-    unchanged = CONFIRM_ULPS * loss_eps
+    probing = _LossProbe(rerun, base, CONFIRM_ULPS * loss_eps, budget or Budget(MAX_PROBE_FORWARDS))
     by_kind: dict[str, list[_Candidate]] = {}
     for name, param, kind, score, step in sorted(candidates, key=lambda c: c[3]):
         by_kind.setdefault(kind, []).append(_Candidate(name, param, kind, score, step))
 
-    def run(
-        group: list[_Candidate], change: Callable[[torch.Tensor, _Candidate], object]
-    ) -> float | None:
-        if budget[0] <= 0:
-            return None
-        budget[0] -= 1
-        with torch.no_grad():
-            for c in group:
-                change(c.param, c)
-        value = rerun()
-        return value if value is not None and math.isfinite(value) else None
-
-    def probe(group: list[_Candidate]) -> tuple[float | None, bool]:
-        """(relative change at the first point, invariant) for the group, restored after."""
-        saved = [c.param.detach().clone() for c in group]
-        # The values come back bitwise, and so do the version counters: a graph the
-        # user holds from their own forward must still backward after the check.
-        versions = state.versions_of([c.param for c in group])
-        try:
-            kind = group[0].kind
-            spread = {id(c): 1.0 + 0.25 * (i % 8) for i, c in enumerate(group)}
-            if kind == "shift":
-                value = run(group, lambda p, c: p.add_(c.step * spread[id(c)]))
-                if value is None:
-                    return None, False
-                change = abs(value - base) / loss_scale(base)
-                return change, change <= unchanged
-            at10 = run(group, lambda p, c: p.mul_(SCALE_FACTOR * spread[id(c)]))
-            if at10 is None:
-                return None, False
-            change = abs(at10 - base) / loss_scale(base)
-            if change > SCALE_RESIDUE:
-                return change, False
-            at100 = run(group, lambda p, c: p.mul_(SCALE_FACTOR))
-            if at100 is None:
-                return change, False
-            return change, abs(at100 - at10) / loss_scale(base) <= unchanged
-        finally:
-            with torch.no_grad():
-                for c, s in zip(group, saved, strict=True):
-                    c.param.copy_(s)
-            state.set_versions([c.param for c in group], versions)
-
-    def record(group: list[_Candidate], change: float | None, invariant: bool) -> None:
+    def record(group: list[_Candidate], outcome: tuple[float | None, bool]) -> None:
+        change, invariant = outcome
         for c in group:
             shown = change if (invariant or len(group) == 1) else None
             results[(c.name, c.kind)] = ProbeResult(c.kind, c.score, shown, invariant, len(group))
 
-    def settle(group: list[_Candidate]) -> None:
-        change, invariant = probe(group)
-        if invariant or change is None or len(group) == 1 or not split:
-            record(group, change, invariant)
-        else:
-            cut = _widest_gap(group)
-            settle(group[:cut])
-            settle(group[cut:])
+    def settled(_: list[_Candidate], outcome: tuple[float | None, bool]) -> bool:
+        change, invariant = outcome
+        return invariant or change is None or not split
 
     for members in by_kind.values():
         # Bounded groups: many large changes at once add up rounding error (and a
         # chain of scalars multiplies its factors).
         for start in range(0, len(members), max_group):
-            settle(members[start : start + max_group])
+            settle(members[start : start + max_group], probing.probe, settled, record, _widest_gap)
     return results
 
 
-def probe(
+class _LossProbe:
+    """One group of candidates changed at once, judged on the re-run loss."""
+
+    def __init__(
+        self, rerun: Callable[[], float | None], base: float, unchanged: float, budget: Budget
+    ) -> None:
+        self.rerun = rerun
+        self.base = base
+        self.unchanged = unchanged  # how far the loss may move and count as unchanged
+        self.budget = budget
+
+    def run(
+        self, group: list[_Candidate], change: Callable[[torch.Tensor, _Candidate], object]
+    ) -> float | None:
+        if not self.budget.take():
+            return None
+        with torch.no_grad():
+            for c in group:
+                change(c.param, c)
+        value = self.rerun()
+        return value if value is not None and math.isfinite(value) else None
+
+    def probe(self, group: list[_Candidate]) -> tuple[float | None, bool]:
+        """(relative change at the first point, invariant) for the group, restored after."""
+        with restored([c.param for c in group]):
+            multiple = {id(c): spread(i) for i, c in enumerate(group)}
+            base, scale = self.base, loss_scale(self.base)
+            if group[0].kind == "shift":
+                value = self.run(group, lambda p, c: p.add_(c.step * multiple[id(c)]))
+                if value is None:
+                    return None, False
+                change = abs(value - base) / scale
+                return change, change <= self.unchanged
+            at10 = self.run(group, lambda p, c: p.mul_(SCALE_FACTOR * multiple[id(c)]))
+            if at10 is None:
+                return None, False
+            change = abs(at10 - base) / scale
+            if change > SCALE_LOSS_RESIDUE:
+                return change, False
+            at100 = self.run(group, lambda p, c: p.mul_(SCALE_FACTOR))
+            if at100 is None:
+                return change, False
+            return change, abs(at100 - at10) / scale <= self.unchanged
+
+
+def screen_and_confirm(
     with_grad: Sequence[tuple[str, torch.Tensor]],
     stats: dict[str, GradStats],
     loss_value: float,
@@ -263,22 +298,22 @@ def probe(
         for kind in ("scale", "shift"):  # each kind its own half of the budget
             mine = [c for c in careful if c[2] == kind]
             if mine:
-                budget = [MAX_PROBE_FORWARDS // 2]
-                results.update(confirm(mine, rerun, loss_value, loss_eps, budget=budget))
+                budget = Budget(MAX_PROBE_FORWARDS // 2)
+                results.update(confirm_by_loss(mine, rerun, loss_value, loss_eps, budget=budget))
         if not all(r.invariant for r in results.values()):
             # Something moved the loss: make sure it was the parameter, not a loss_fn
-            # that draws a new batch on every call (loosely: no_grad may pick other
-            # kernels than the checked run did).
+            # that draws a new batch on every call.
             fresh = rerun()
-            if fresh is None or abs(fresh - loss_value) > 1e-4 * max(abs(loss_value), 1e-12):
+            moved = None if fresh is None else [abs(fresh - loss_value)]
+            if not reproduces(moved, [RERUN_LOSS_TOLERANCE * max(abs(loss_value), 1e-12)]):
                 return {}, (
                     "functional probes skipped: re-running loss_fn gave a different loss "
-                    f"({fresh} vs {loss_value}); make it use one fixed batch"
+                    f"({fresh} vs {loss_value}); {FIXED_BATCH_HINT}"
                 )
     elif cheap:
-        share = [2]  # one scale probe: at 10x and at 100x
+        share = Budget(2)  # one scale probe: at 10x and at 100x
         results.update(
-            confirm(cheap, rerun, loss_value, loss_eps, max_group=len(cheap), budget=share)
+            confirm_by_loss(cheap, rerun, loss_value, loss_eps, max_group=len(cheap), budget=share)
         )
     return results, None
 

@@ -68,6 +68,13 @@ class ModuleTracer:
         self._stack.clear()
 
     def _pre(self, module: nn.Module, args: tuple) -> None:
+        # The hooks' own tensor queries (shape, grad_fn, ...) are not the user's calls:
+        # they run with torch functions untraced (about half the calls a traced
+        # GPT-2 forward made were theirs).
+        with torch._C.DisableTorchFunction():
+            self._note_call(module, args)
+
+    def _note_call(self, module: nn.Module, args: tuple) -> None:
         name = self._names.get(id(module))
         self._stack.append(name)
         if name is None:
@@ -81,6 +88,10 @@ class ModuleTracer:
             record.rows += int(first.shape[0])
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        with torch._C.DisableTorchFunction():
+            self._note_return(module, args, output)
+
+    def _note_return(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._stack:
             self._stack.pop()
         name = self._names.get(id(module))

@@ -39,8 +39,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.weak import WeakIdKeyDictionary
 
-from deadweight.checking.cancellation import COUNTED, StructureTracker
+from deadweight.checking.cancellation import StructureTracker
 from deadweight.checking.check_stats import Site
+from deadweight.checking.op_table import COUNTED
 from deadweight.checking.sites import (
     caller_frame,
     outermost_user_frame,
@@ -65,6 +66,19 @@ _TO_PYTHON = {
 }
 _REBUILD = {torch.tensor, torch.as_tensor, _TensorBase.new_tensor}
 _OPS_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+# Calls that only read a tensor's metadata: they return no tensor and no value derived
+# from its data, write nothing and cut nothing, so the tracer passes them straight
+# through (a third of a transformer forward's traced calls are these). `.data`,
+# `.item()`, `.tolist()` are not among them: each is a cut.
+_METADATA = frozenset(
+    f"Tensor.{name}"
+    for name in (
+        "shape", "size", "dim", "ndim", "ndimension", "dtype", "device", "layout",
+        "grad_fn", "requires_grad", "is_leaf", "is_floating_point", "is_complex",
+        "numel", "nelement", "stride", "is_contiguous", "storage_offset", "is_cuda",
+        "is_sparse", "is_meta", "is_quantized", "get_device", "__len__",
+    )
+)  # fmt: skip
 # Python values followed by identity. Not ints: small ints are shared objects (every
 # `32` is the same one), and metadata such as x.size(-1) would taint every later 32.
 _PY_VALUE_TYPES = (float, complex, list, np.ndarray)
@@ -203,6 +217,8 @@ class OpTracer(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if not self._functions and op_name(func) in _METADATA:
+            return func(*args, **kwargs)  # nothing to note: no tensor, no cut, no write
         pre_roots = _grad_roots(args, kwargs) if func is _DETACH_INPLACE else None
         if self._before_param_write is not None:
             self._note_param_writes(func, args, kwargs)

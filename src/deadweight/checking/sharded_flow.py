@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from deadweight.checking import cancellation, invariance
+from deadweight.checking import cancellation_confirmation, invariance
+from deadweight.checking.backward_reach import BackwardReach
 from deadweight.checking.check_stats import GradStats, ProbeResult
 from deadweight.distributed import ranks as distributed
 from deadweight.errors import CollectiveError
-
-if TYPE_CHECKING:
-    from deadweight.checking.grad_flow import _Flow
 
 
 def stand_ins(model: nn.Module, names_by_id: dict[int, str]) -> dict[int, torch.Tensor]:
@@ -40,7 +37,7 @@ def stand_ins(model: nn.Module, names_by_id: dict[int, str]) -> dict[int, torch.
 def whole_statistics(
     shards: distributed.Shards,
     trainable: list[tuple[str, nn.Parameter]],
-    flow: _Flow,
+    flow: BackwardReach,
     value: float,
 ) -> tuple[float, dict[str, GradStats], bool]:
     """The whole parameters' gradient statistics, the loss of the whole batch and
@@ -70,12 +67,14 @@ def on_all_ranks(
 
 
 def capturing_on_all_ranks(
-    model: nn.Module, shards: distributed.Shards, local_rerun: cancellation.Rerun
-) -> cancellation.Rerun:
+    model: nn.Module, shards: distributed.Shards, local_rerun: cancellation_confirmation.Rerun
+) -> cancellation_confirmation.Rerun:
     """The confirming re-run (the loss and the cancelling ops' outputs on this rank's
     batch) made by every rank together; None on every rank when one rank failed."""
 
-    def rerun(targets: set[tuple[str, int]]) -> tuple[float | None, cancellation.Outputs] | None:
+    def rerun(
+        targets: set[tuple[str, int]],
+    ) -> tuple[float | None, cancellation_confirmation.Outputs] | None:
         distributed.fsdp2_reshard(model)
         try:
             mine = local_rerun(targets)
@@ -96,7 +95,7 @@ def capturing_on_all_ranks(
     return rerun
 
 
-def agreement(shards: distributed.Shards) -> cancellation.Agree:
+def agreement(shards: distributed.Shards) -> cancellation_confirmation.Agree:
     """Each measured change, the largest over the ranks: every rank judges alike."""
 
     def agree(values: list[float]) -> list[float]:
@@ -115,7 +114,7 @@ def agreement(shards: distributed.Shards) -> cancellation.Agree:
 _HUGE = 1e300
 
 
-def screens(
+def screen_and_confirm_on_all_ranks(
     with_grad: list[tuple[str, nn.Parameter]],
     stats: dict[str, GradStats],
     loss: float,
@@ -133,7 +132,9 @@ def screens(
     own.
     """
     try:
-        return invariance.probe(with_grad, stats, loss, loss_eps, rerun, runnable=runnable)
+        return invariance.screen_and_confirm(
+            with_grad, stats, loss, loss_eps, rerun, runnable=runnable
+        )
     except CollectiveError as exc:
         # The ranks no longer agree on which probe comes next: drop them all.
         return {}, f"functional probes stopped: {exc}"

@@ -113,6 +113,7 @@ def _rule_dict(r: Any) -> dict[str, Any]:
         "severity": r.severity.value,
         "family": r.family,
         "summary": r.summary,
+        "source": r.source,
         "doc": r.doc,
         "thresholds": {key: default for key, default, _, _ in thresholds.for_rule(r.code)},
     }

@@ -18,7 +18,7 @@ from torch import nn
 import deadweight
 from deadweight import Severity
 from deadweight.checking import check_stats, invariance
-from deadweight.checking.grad_flow import measure_grad_flow
+from deadweight.checking.flow_measurement import measure_grad_flow
 from deadweight.demos import layer_scalar_drift as d
 from tests.tiny_transformers import bert_config
 
@@ -345,13 +345,13 @@ def test_group_probe_does_not_confirm_parameters_that_are_only_jointly_invariant
     report = check(model, loss_of, no_decay_adamw(model))
     # Every flagged parameter is invariant on its own, by the probe's definition,
     # recomputed here: a shift within CONFIRM_ULPS; a scale moving the loss by at
-    # most SCALE_RESIDUE at x10 (a normalization's eps residue) and flat beyond.
+    # most SCALE_LOSS_RESIDUE at x10 (a normalization's eps residue) and flat beyond.
     for name in sorted(flagged(report, "DW105")):
         change = relative_change_alone(model, loss_of, name, "shift")
         assert change <= TOL, (name, f"{change / TOL:.1f} x the tolerance")
     for name in sorted(flagged(report, "DW104")):
         at10 = relative_change_alone(model, loss_of, name, "scale")
-        assert at10 <= invariance.SCALE_RESIDUE, (name, at10)
+        assert at10 <= invariance.SCALE_LOSS_RESIDUE, (name, at10)
 
 
 # -- DW105 --------------------------------------------------------------------------

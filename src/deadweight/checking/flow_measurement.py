@@ -8,12 +8,14 @@ the rules.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import math
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +23,10 @@ import torch
 from torch import nn
 
 from deadweight import autograd_graph, param_roles, wrappers
-from deadweight.checking import cancellation, invariance, sharded_flow
+from deadweight.checking import cancellation_confirmation, invariance, sharded_flow
 from deadweight.checking import gates as gates_module
-from deadweight.checking.cancellation import StructureTracker
+from deadweight.checking.backward_reach import BackwardReach
+from deadweight.checking.cancellation import StructureResult, StructureTracker
 from deadweight.checking.check_stats import (
     FLOAT32_EPS,
     Cancellation,
@@ -84,7 +87,7 @@ def measure_grad_flow(
         # probes re-run the forward from the values the checked one started from.
         guard.restore()
         cuts = flow.cuts + _collect_cuts(run, traced, flow)
-        probed = _probe(run, traced, flow, guard)
+        probed = _statistics_and_probes(run, traced, flow, guard)
     param_writes = guard.writes()
     if param_writes:
         log.debug("the forward wrote to parameters: %s", param_writes)
@@ -130,6 +133,22 @@ class _Traced:
     grad_enabled_at_site: bool | None = None
 
 
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the traced forward. The structure pass
+    allocates many small short-lived objects per call (carriers, sets, facets), which
+    triggered collections that each scanned the whole heap (model, framework): about a
+    sixth of check's time on a dispatch-bound 12-layer GPT-2. Nothing the forward
+    leaves behind is lost: collection resumes when the forward returns."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _trace(run: _Run, guard: ParamGuard) -> _Traced:
     """Run `loss_fn` under the module and op tracers (and the structure pass)."""
     modules = ModuleTracer(run.model)
@@ -142,7 +161,7 @@ def _trace(run: _Run, guard: ParamGuard) -> _Traced:
         structure=run.structure,
     )
     try:
-        with modules, tracer:
+        with _collection_paused(), modules, tracer:
             raw = run.loss_fn()
     except Exception as exc:
         raise LossFnError(
@@ -168,18 +187,7 @@ def _trace(run: _Run, guard: ParamGuard) -> _Traced:
     return traced
 
 
-@dataclass
-class _Flow:
-    """What the backward reached."""
-
-    error: str | None  # a custom op without autograd stopped it
-    cuts: list[Cut]  # ops that dropped or refused the gradient in backward
-    reached: set[int]  # ids of the parameters (and stand-ins) it reached
-    has_grad: dict[int, bool]
-    grads: dict[str, torch.Tensor | None]  # taken before the model's own grads go back
-
-
-def _backward_step(run: _Run, traced: _Traced) -> _Flow:
+def _backward_step(run: _Run, traced: _Traced) -> BackwardReach:
     error: str | None = None
     cuts: list[Cut] = []
     reached = traced.walk.leaves
@@ -205,10 +213,10 @@ def _backward_step(run: _Run, traced: _Traced) -> _Flow:
     else:  # backward stopped half-way: what would have arrived is what is reachable
         has_grad = {id(p): id(p) in reached_ids for _, p in run.trainable}
     grads = {n: p.grad for n, p in run.trainable}
-    return _Flow(error, cuts, reached_ids, has_grad, grads)
+    return BackwardReach(error, cuts, reached_ids, has_grad, grads)
 
 
-def _collect_cuts(run: _Run, traced: _Traced, flow: _Flow) -> list[Cut]:
+def _collect_cuts(run: _Run, traced: _Traced, flow: BackwardReach) -> list[Cut]:
     """The forward's candidate cuts: a loss without graph, the ops that cut it, and
     modules whose outputs never reached the loss."""
     cuts: list[Cut] = []
@@ -257,7 +265,9 @@ class _Probed:
     gated_by: dict[str, tuple[str, ...]] = field(default_factory=dict)  # zero gradient -> gates
 
 
-def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probed:
+def _statistics_and_probes(
+    run: _Run, traced: _Traced, flow: BackwardReach, guard: ParamGuard
+) -> _Probed:
     """Gradient statistics, then the structure pass's candidates confirmed and the
     numerical screens' candidates probed by re-running the forward. Under FSDP2 the
     statistics are the whole parameters' and every re-run is made by all ranks
@@ -267,7 +277,7 @@ def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probe
     loss_eps = _screen_eps(loss)
     rerun = invariance.rerun_of(run.loss_fn, guard)
     capturing = _capturing_rerun(run.loss_fn, guard)
-    agree: cancellation.Agree | None = None
+    agree: cancellation_confirmation.Agree | None = None
     failed = flow.error is not None
     if run.shards is not None:
         value, stats, failed = sharded_flow.whole_statistics(run.shards, run.trainable, flow, value)
@@ -305,10 +315,14 @@ def _probe(run: _Run, traced: _Traced, flow: _Flow, guard: ParamGuard) -> _Probe
             ),
         )
     if run.shards is not None:
-        probes, note = sharded_flow.screens(screened, stats, value, loss_eps, rerun, runnable)
+        probes, note = sharded_flow.screen_and_confirm_on_all_ranks(
+            screened, stats, value, loss_eps, rerun, runnable
+        )
         gated: dict[str, tuple[str, ...]] = {}  # the gates' walk reads local gradients
     else:
-        probes, note = invariance.probe(screened, stats, value, loss_eps, rerun, runnable)
+        probes, note = invariance.screen_and_confirm(
+            screened, stats, value, loss_eps, rerun, runnable
+        )
         gated = _gates_at_init(loss, with_grad, stats)
     return _Probed(value, loss_eps, stats, probes, note, structural, gated)
 
@@ -347,7 +361,7 @@ def _assemble(
     run: _Run,
     optimizer: torch.optim.Optimizer | None,
     traced: _Traced,
-    flow: _Flow,
+    flow: BackwardReach,
     probed: _Probed,
     cuts: list[Cut],
     param_writes: list[ParamWrite],
@@ -425,10 +439,10 @@ def _structure_verdict(
     loss: torch.Tensor,
     with_grad: list[tuple[str, nn.Parameter]],
     stats: dict[str, GradStats],
-    rerun: cancellation.Rerun,
+    rerun: cancellation_confirmation.Rerun,
     value: float,
     runnable: bool,
-    agree: cancellation.Agree | None,
+    agree: cancellation_confirmation.Agree | None,
 ) -> _Structural:
     """The structure pass's candidates, each confirmed by re-running the forward."""
     names = frozenset(n for n, _ in with_grad)
@@ -447,7 +461,7 @@ def _structure_verdict(
     note = None
     if candidates and runnable:
         params = dict(with_grad)
-        candidates = cancellation.confirm(
+        candidates = cancellation_confirmation.confirm_by_op_outputs(
             candidates,
             params,  # type: ignore[arg-type]
             structure.outputs,
@@ -455,7 +469,7 @@ def _structure_verdict(
             value,
             agree=agree,
         )
-        if any("not reproducible" in str(c.evidence.get("probe")) for c in candidates.values()):
+        if any(cancellation_confirmation.not_reproducible(c) for c in candidates.values()):
             note = (
                 "structural candidates not confirmed: re-running loss_fn gave other "
                 "outputs; make it use one fixed batch"
@@ -465,7 +479,7 @@ def _structure_verdict(
     return _Structural(candidates, found.influencing, found.opaque & names, note)
 
 
-def _ranks_agree(found: cancellation.StructureResult | None, agree: cancellation.Agree) -> bool:
+def _ranks_agree(found: StructureResult | None, agree: cancellation_confirmation.Agree) -> bool:
     """Whether every rank's structure pass found the same candidates and opaque
     parameters (a checksum of the names, compared by one reduction)."""
     if found is None:
@@ -483,13 +497,13 @@ def _capturing_rerun(
     [set[tuple[str, int]]], tuple[float | None, dict[tuple[str, int], torch.Tensor]] | None
 ]:
     """`loss_fn` re-run under no_grad on the checked run's RNG state, keeping the outputs
-    of the given calls (`cancellation.OutputCapture`); None when it raises."""
+    of the given calls (`cancellation_confirmation.OutputCapture`); None when it raises."""
 
     def rerun(
         targets: set[tuple[str, int]],
     ) -> tuple[float | None, dict[tuple[str, int], torch.Tensor]] | None:
         guard.reset_rng()
-        capture = cancellation.OutputCapture(targets, op_name)
+        capture = cancellation_confirmation.OutputCapture(targets, op_name)
         try:
             with torch.no_grad(), capture:
                 out = loss_fn()

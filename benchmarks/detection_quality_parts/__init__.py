@@ -1,0 +1,1 @@
+"""The parts of benchmarks/detection_quality.py, one module each."""

@@ -1,0 +1,210 @@
+"""The carrier algebra of the structure pass (`cancellation.StructureTracker`).
+
+For each parameter the pass follows two pure effects through the ops, each an exact
+algebraic statement about the tensors it reaches (see `cancellation`): a *scale*
+(theta -> lambda theta multiplies the tensor by lambda^degree) and a *shift*
+(theta -> theta + delta adds a term). This module holds the abstract values, a
+`Facet` per effect and a `Carrier` per tensor, and the operations on them that every
+op propagator (`op_propagation`) shares: mapping dims through reshapes and
+broadcasts, turning effects into plain dependences, merging carriers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+SCALE = 0
+SHIFT = 1
+KINDS = ("scale", "shift")
+ZERO = Fraction(0)
+ONE = Fraction(1)
+_tags = itertools.count(1)
+
+
+def new_tag() -> int:
+    """A fresh identity for an added term (a shift), so that x - mean(x) is seen to
+    cancel the very term that was added."""
+    return next(_tags)
+
+
+# -- the abstract values -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Facet:
+    """One pure effect of one parameter on one tensor.
+
+    full: the dims of the tensor along which the factor (scale) or the added term
+    (shift) varies for a change in any direction of the parameter; None once that is
+    no longer known (only the uniform facet holds). uniform: the effect of the
+    uniform change (theta * c, theta + c) is still pure. degree: scale only, the
+    tensor is multiplied by lambda^degree. approx: scale only, a constant (an eps)
+    was added on the way, so a cancellation holds up to it. tag: shift only, the
+    identity of the added term, so that x - mean(x) is seen to cancel it.
+    """
+
+    kind: int
+    full: frozenset[int] | None
+    uniform: bool = True
+    degree: Fraction = ONE
+    approx: bool = False
+    tag: int = 0
+
+
+@dataclass(frozen=True)
+class Carrier:
+    """How the parameters reach one tensor. Entities are 2 * parameter index + kind.
+
+    lost: entities whose effect reaches it in no known form (every direction).
+    partial: entities whose non-uniform directions reach it in no known form.
+    pure: the entities whose effect is still pure, with its facet.
+    """
+
+    lost: frozenset[int] = frozenset()
+    partial: frozenset[int] = frozenset()
+    pure: dict[int, Facet] = field(default_factory=dict)
+
+    def depends(self, entity: int) -> bool:
+        return entity in self.lost or entity in self.pure or entity in self.partial
+
+    def all_entities(self) -> frozenset[int]:
+        return self.lost | frozenset(self.pure)
+
+
+EMPTY = Carrier()
+
+
+# -- dims ---------------------------------------------------------------------------
+
+
+def nontrivial(shape: Sequence[int], dims: Iterable[int]) -> frozenset[int]:
+    return frozenset(d for d in dims if 0 <= d < len(shape) and shape[d] > 1)
+
+
+def all_dims(shape: Sequence[int]) -> frozenset[int]:
+    return nontrivial(shape, range(len(shape)))
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def broadcast_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> Callable[[int], int]:
+    offset = len(out_shape) - len(in_shape)
+    return lambda d: d + offset
+
+
+def reshape_dims(
+    in_shape: Sequence[int], out_shape: Sequence[int], dims: frozenset[int]
+) -> frozenset[int]:
+    """Output dims sharing digits of the flat index with the given input dims."""
+    if not dims:
+        return frozenset()
+
+    def spans(shape: Sequence[int]) -> list[tuple[int, int]]:
+        out = []
+        inner = 1
+        for size in reversed(shape):
+            out.append((inner, inner * size))
+            inner *= size
+        return list(reversed(out))
+
+    ins, outs = spans(in_shape), spans(out_shape)
+    result = set()
+    for d in dims:
+        lo, hi = ins[d]
+        for e, (olo, ohi) in enumerate(outs):
+            if olo < hi and lo < ohi and out_shape[e] > 1:
+                result.add(e)
+    return frozenset(result)
+
+
+# -- facet algebra ------------------------------------------------------------------
+
+
+def map_facet(f: Facet, mapping: Callable[[frozenset[int]], frozenset[int] | None]) -> Facet:
+    if f.full is None:
+        return f
+    full = mapping(f.full)
+    if full == f.full:
+        return f
+    # not dataclasses.replace: this runs for every pure effect of every traced view
+    return Facet(f.kind, full, f.uniform, f.degree, f.approx, f.tag)
+
+
+def map_carrier(c: Carrier, mapping: Callable[[frozenset[int]], frozenset[int] | None]) -> Carrier:
+    if not c.pure:
+        return c
+    return Carrier(c.lost, c.partial, {e: map_facet(f, mapping) for e, f in c.pure.items()})
+
+
+def merge_general(carriers: Iterable[Carrier]) -> tuple[frozenset[int], frozenset[int]]:
+    lost: frozenset[int] = frozenset()
+    partial: frozenset[int] = frozenset()
+    for c in carriers:
+        if c.lost:
+            lost = lost | c.lost if lost is not c.lost else lost
+        if c.partial:
+            partial = partial | c.partial
+    return lost, partial
+
+
+def general(carriers: Iterable[Carrier]) -> Carrier:
+    """Every effect turned into a plain dependence."""
+    cs = list(carriers)
+    lost, partial = merge_general(cs)
+    for c in cs:
+        if c.pure:
+            lost = lost | frozenset(c.pure)
+    return Carrier(lost, partial - lost)
+
+
+def finish(lost: frozenset[int], partial: frozenset[int], pure: dict[int, Facet]) -> Carrier:
+    """The carrier of lost, partial and pure effects (a lost effect is no longer pure;
+    a pure one whose full facet is unknown is partial)."""
+    for e in list(pure):
+        if e in lost:
+            del pure[e]
+    for e, f in pure.items():
+        if f.full is None:
+            partial = partial | {e}
+    return Carrier(lost, partial - lost, pure)
+
+
+def flat_args(args: tuple, kwargs: dict) -> Iterator[Any]:
+    """A call's arguments, one level of lists and tuples unpacked."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
+
+
+def tensor_outputs(out: Any) -> list[Tensor]:
+    """The tensors a call returned."""
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [o for o in out if isinstance(o, Tensor)]
+    return []
+
+
+FLOAT32_ROUNDOFF = 2.0**-24
+_ROUNDOFF: dict[torch.dtype, float] = {}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the gap between 1 and the next number of `dtype` (its relative rounding
+    error); float32's for a dtype that is not floating (an index, a mask)."""
+    u = _ROUNDOFF.get(dtype)
+    if u is None:
+        u = float(torch.finfo(dtype).eps) / 2 if dtype.is_floating_point else FLOAT32_ROUNDOFF
+        _ROUNDOFF[dtype] = u
+    return u
