@@ -556,13 +556,14 @@ class _Page:
             last = float(primary[-1])  # a plotted element of a larger parameter
         sign = -1.0 if last < start else 1.0
         ends = np.array([steps[0], steps[-1]], dtype=np.float64)
-        lines = [(rate, f"measured drift {rate:.3g}/step ({finding.code})", {"dash": "dash"})]
+        code = plotly_text(finding.code)  # evidence and code are text from a file: escaped
+        lines = [(rate, f"measured drift {rate:.3g}/step ({code})", {"dash": "dash"})]
         predicted = ev.get("predicted_drift_per_step")
         if isinstance(predicted, (int, float)) and math.isfinite(predicted):
             per_step = float(predicted) * per_norm
             label = f"predicted {per_step:.3g}/step"
             if ev.get("predicted_by"):
-                label += f": {ev['predicted_by']}"
+                label += f": {plotly_text(ev['predicted_by'])}"
             lines.append((per_step, label, {"dash": "dot", "color": "#2e7d32"}))
         for per_step, label, line in lines:
             figure.add_trace(
