@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,76 @@ def test_the_architecture_document_names_every_capability() -> None:
     for capability in CAPABILITIES:
         assert f"{capability}/" in doc
     assert "docs/architecture.md" in (SRC.parents[1] / "README.md").read_text()
+
+
+def _report_reaches(modules: dict[str, Path], paths: dict[str, Path]) -> list[str]:
+    """What the modules in `paths` import from a capability beyond its statistics
+    (`*_stats`) and findings."""
+    return [
+        f"{module} -> {target}"
+        for module, path in paths.items()
+        for target in _imports(path, modules)
+        if _capability(target) is not None
+        and not target.rsplit(".", 1)[-1].endswith(("_stats", "findings"))
+    ]
+
+
+def test_the_report_sees_only_findings_and_the_statistics_handed_to_it() -> None:
+    """report/ renders: it reads findings and the statistics a capability publishes
+    (`watch_stats`, `check_stats`, ...), never a tracer, a log reader or a rule."""
+    modules = _modules()
+    report = {m: p for m, p in modules.items() if m.startswith("deadweight.report")}
+    assert len(report) > 5
+    assert _report_reaches(modules, report) == []
+
+
+def test_the_report_test_catches_a_reach_into_watch_internals(tmp_path: Path) -> None:
+    modules = _modules()
+    reaching = tmp_path / "reaching.py"
+    reaching.write_text(
+        "from deadweight.watching.event_log import LOG_SCHEMA_VERSION\n"
+        "from deadweight.watching.watch_stats import WatchStats\n"
+        "def later():\n    from deadweight.watching.rules import dynamics\n"
+    )
+    found = _report_reaches(modules, {"deadweight.report.reaching": reaching})
+    assert sorted(found) == [
+        "deadweight.report.reaching -> deadweight.watching.event_log",
+        "deadweight.report.reaching -> deadweight.watching.rules.dynamics",
+    ]
+
+
+_RULE_CODE = re.compile(r"\bDW\d{3}\b")
+
+
+def _code_literals(path: Path) -> list[str]:
+    """Rule codes written as string literals in a module's code (docstrings aside): what
+    `finding.code == "DW302"` or a label naming one rule looks like."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and ast.get_docstring(node, clean=False) is not None
+    }
+    return [
+        f"{path.name}:{node.lineno}: {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+        and _RULE_CODE.search(node.value)
+    ]
+
+
+def test_the_renderers_choose_what_to_draw_from_data_not_from_rule_codes(tmp_path: Path) -> None:
+    """A renderer picks a figure from what a finding's evidence carries (`values`,
+    `drift_per_step`, ...) or its rule declares (`plots`), never by comparing its code
+    with one rule's: whoever changes that rule would break a plot in another folder."""
+    renderers = [*(SRC / "report").glob("*.py"), SRC / "cli" / "report.py"]
+    assert [hit for path in renderers for hit in _code_literals(path)] == []
+    branching = tmp_path / "branching.py"
+    branching.write_text(
+        '"""Draws DW302 (a docstring may name it)."""\n'
+        'def pick(f):\n    return f.code == "DW302" or f"({f.code}: DW301)"\n'
+    )
+    assert len(_code_literals(branching)) == 2

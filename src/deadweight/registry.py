@@ -58,6 +58,9 @@ class Rule:
     consumes: type
     doc: str
     judge: Judge
+    # Figures of the report its findings are drawn on, beyond what their evidence
+    # carries (`loss-plateau`: the loss curve marks where it stopped falling).
+    plots: tuple[str, ...] = ()
 
     @property
     def family(self) -> str:
@@ -103,9 +106,17 @@ _loaded = False
 
 
 def rule(
-    *, code: str, name: str, severity: Severity, summary: str, consumes: type
+    *,
+    code: str,
+    name: str,
+    severity: Severity,
+    summary: str,
+    consumes: type,
+    plots: tuple[str, ...] = (),
 ) -> Callable[[Judge], Judge]:
-    """Declare a rule. The decorated function turns one measurement into findings."""
+    """Declare a rule. The decorated function turns one measurement into findings;
+    `plots` names the report's figures its findings are drawn on (the report picks
+    them from this, never from the rule's code)."""
 
     def register(judge: Judge) -> Judge:
         doc = inspect.cleandoc(judge.__doc__ or "")
@@ -125,7 +136,7 @@ def rule(
             problems.append(f"documentation lacks the section(s): {', '.join(missing)}")
         if problems:
             raise ValueError(f"cannot register rule {code} {name}: " + "; ".join(problems))
-        _RULES[code] = Rule(code, name, severity, summary, consumes, doc, judge)
+        _RULES[code] = Rule(code, name, severity, summary, consumes, doc, judge, plots)
         return judge
 
     return register

@@ -3,6 +3,7 @@ input, a missing plotly, and the downsampling of long series."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -311,6 +312,29 @@ def test_layer_outlier_by_rms_is_plotted(tmp_path):
     rms = [float(t.square().mean().sqrt()) for t in tensors.values()]
     assert bars["y"] == pytest.approx(rms, rel=0.02)
     assert bars["marker"]["color"][3] == "#c62828"
+
+
+def test_layer_bars_saved_without_their_values_come_from_the_tensor_table(tmp_path):
+    """DW402's bars are the values its evidence carries; a report saved before it carried
+    them draws the same bars from the saved tensor table."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {f"layers.{i}.s": torch.tensor([1.0 + 0.01 * i]) for i in range(5)}
+    tensors["layers.5.s"] = torch.tensor([40.0])
+    path = tmp_path / "scalars.safetensors"
+    save_file(tensors, str(path))
+    report = deadweight.inspect_checkpoints([str(path)])
+    (finding,) = report.by_code("DW402")
+    assert finding.evidence["values"] == {n: float(v) for n, v in tensors.items()}
+    older = {k: v for k, v in finding.evidence.items() if k != "values"}
+    saved = dataclasses.replace(report, findings=(dataclasses.replace(finding, evidence=older),))
+    bars = []
+    for shown in (report, saved):
+        page = html_report.render_html([html_report.Section("s", shown)])
+        (div,) = re.findall(r'data-plot="(s0-f\d+-layers)"', page)
+        bars.append(figure(page, div)["data"])
+    assert bars[0] == bars[1] and bars[0][0]["y"][5] == 40.0
 
 
 def test_a_clean_report_has_no_empty_rules_section():

@@ -3,6 +3,7 @@ in the HTML report (without a browser: the figures are read from the page)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -149,6 +150,21 @@ def test_long_loss_series_is_downsampled_keeping_the_plateau_start():
     assert start in x and x[0] == 1 and x[-1] == n
 
 
+def test_the_plateau_is_drawn_for_the_rules_that_declare_it():
+    """The loss plot marks a plateau for a rule that declares the `loss-plateau` figure
+    (DW301), whatever its code; another rule's finding on the same curve marks none."""
+    steps = np.arange(1, 2001)
+    stats = WatchStats(
+        loss_steps=steps.tolist(), loss_values=np.where(steps < 500, 2.0, 1.0).tolist()
+    )
+    assert get_rule("DW301").plots == ("loss-plateau",)
+    for code, marked in (("DW301", True), ("DW310", False)):
+        finding = get_rule(code).finding("found", params=["l1.weight"])
+        section = html_report.Section("run.jsonl", Report.of("watch", [finding], {}), stats)
+        names = [t["name"] for t in figure(html_report.render_html([section]), "s0-loss")["data"]]
+        assert any(n.startswith("plateau from step") for n in names) is marked, code
+
+
 # -- the plateau's definition --------------------------------------------------------------------
 
 
@@ -232,11 +248,23 @@ def test_drift_plot_shows_the_predicted_rate(capsys, tmp_path, drift_jsonl):
     assert abs(y1 - y0) == pytest.approx(abs(m1 - m0), rel=0.3)
 
 
-def test_predicted_drift_needs_its_numbers():
-    ev = {"mean_lr": 1e-3, "mean_update_lr": 1.0, "same_sign_fraction": 0.75}
-    per_step, _ = html_report.predicted_drift(ev, numel=4)
-    assert per_step == pytest.approx(1e-3 * 0.5 * 2)  # sqrt(4) in norm
-    assert html_report.predicted_drift({**ev, "mean_lr": None}, 1) is None
+def test_a_drift_saved_without_its_prediction_draws_only_the_measured_line(drift_jsonl):
+    """The prediction is DW302's number (its evidence), not the page's: evidence written
+    before it carried one draws the measured drift alone, and nothing the page works out."""
+    from deadweight.cli.report import load_log
+
+    ((report, stats),) = load_log(drift_jsonl)
+    (finding,) = report.by_code("DW302")
+    assert finding.evidence["predicted_drift_per_step"] > 0
+    older = {k: v for k, v in finding.evidence.items() if not k.startswith("predicted_")}
+    findings = [
+        dataclasses.replace(f, evidence=older) if f is finding else f for f in report.findings
+    ]
+    saved = dataclasses.replace(report, findings=tuple(findings))
+    page = html_report.render_html([html_report.Section("old", saved, stats)])
+    names = [t["name"] for t in figure(page, f"s0-p-{LAST.replace('.', '_')}")["data"]]
+    assert any(n.startswith("measured drift") for n in names)
+    assert not any(n.startswith("predicted") for n in names)
 
 
 # -- a saved check ---------------------------------------------------------------------------------

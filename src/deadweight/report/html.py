@@ -33,8 +33,7 @@ from deadweight.registry import get_rule
 from deadweight.report import SCHEMA_VERSION, Report, loss_curve, markdown
 from deadweight.report.display import html_text, plotly_text
 from deadweight.report.text import sections as sections_of
-from deadweight.watching.event_log import LOG_SCHEMA_VERSION
-from deadweight.watching.watch_stats import WatchStats
+from deadweight.watching.watch_stats import LOG_SCHEMA_VERSION, WatchStats
 from deadweight.wording import name_list
 
 # 2000 points per trace: a 1000-pixel-wide plot shows no more, and 60 such plots
@@ -358,10 +357,10 @@ class _Page:
                 if name in stats.params and name not in flagged_names:
                     flagged_names.append(name)
         reset_steps = sorted({r.step for r in stats.resets})
+        # A finding that measured a drift (DW302) draws it on the parameter's trajectory.
         drift = {
-            name: f.evidence
+            name: f
             for f in findings
-            if f.code == "DW302"
             for name in f.params
             if isinstance(f.evidence.get("drift_per_step"), (int, float))
         }
@@ -389,7 +388,8 @@ class _Page:
     def _loss(
         self, prefix: str, stats: WatchStats, findings: Sequence[Finding], plots: _Plots
     ) -> str:
-        """The loss per step; the plateau marked when parameters never moved (DW301)."""
+        """The loss per step; its plateau marked for the findings of a rule that declares
+        the `loss-plateau` plot (DW301: parameters that never moved)."""
         if not stats.loss_recorded:
             return (
                 '<p class="note" data-note="no-loss">The loss was not recorded in this run '
@@ -407,7 +407,8 @@ class _Page:
             notes.append(f"{curve.nonfinite} loss values were NaN or infinite and are left out.")
         if not len(curve.steps):
             return "".join(f'<p class="note">{html_text(n)}</p>' for n in notes)
-        never_moved = [f for f in findings if f.code == "DW301"]
+        never_moved = [f for f in findings if "loss-plateau" in _declared_plots(f)]
+        codes = "/".join(sorted({f.code for f in never_moved}))
         plateau = loss_curve.find_plateau(curve) if never_moved else None
         reset_steps = sorted({r.step for r in stats.resets})
         keep = set(reset_steps) | ({plateau.start_step} if plateau else set())
@@ -429,7 +430,7 @@ class _Page:
         title = "loss per step"
         if plateau is not None:
             names = [n for f in never_moved for n in f.params]
-            label = f"plateau from step {plateau.start_step} (DW301: {len(names)} never moved)"
+            label = f"plateau from step {plateau.start_step} ({codes}: {len(names)} never moved)"
             figure.add_vrect(
                 x0=plateau.start_step, x1=plateau.end_step, fillcolor="#c62828",
                 opacity=0.08, line_width=0,
@@ -451,7 +452,7 @@ class _Page:
                 f"{name_list(names)} never moved."
             )
         elif never_moved:
-            notes.append("Parameters never moved (DW301), yet the loss shows no plateau.")
+            notes.append(f"Parameters never moved ({codes}), yet the loss shows no plateau.")
         for step in reset_steps:
             figure.add_vline(x=step, line={"color": "#8e24aa", "dash": "dot"})
         figure.update_xaxes(title="optimizer step")
@@ -482,7 +483,7 @@ class _Page:
         name: str,
         keep: set[int],
         reset_steps: list[int],
-        drift: Any,
+        drift: Finding | None,
     ) -> str:
         from plotly.subplots import make_subplots
 
@@ -514,71 +515,10 @@ class _Page:
             col=1,
         )
         if drift is not None and len(steps):
-            # DW302 measures the drift as a norm; a plotted element drifts 1/√numel of it.
+            # A drift is measured as a norm; a plotted element drifts 1/√numel of it.
             per_norm = 1.0 if not has_values else 1.0 / math.sqrt(max(1, track.numel))
-            rate = float(drift["drift_per_step"]) * per_norm
-            first = drift.get("first_value")
-            start = float(first) if isinstance(first, (int, float)) else float(primary[0])
-            sign = 1.0
-            last = drift.get("last_value")
-            if not isinstance(last, (int, float)):
-                last = float(primary[-1])  # a plotted element of a larger parameter
-            if last < start:
-                sign = -1.0
-            ends = np.array([steps[0], steps[-1]], dtype=np.float64)
-            figure.add_trace(
-                go.Scatter(
-                    x=ends,
-                    y=start + sign * rate * (ends - ends[0]),
-                    name=f"measured drift {rate:.3g}/step (DW302)",
-                    mode="lines",
-                    line={"dash": "dash"},
-                ),
-                row=1,
-                col=1,
-            )
-            predicted = predicted_drift(drift, 1 if has_values else track.numel)
-            if predicted is not None:
-                per_step, label = predicted
-                figure.add_trace(
-                    go.Scatter(
-                        x=ends,
-                        y=start + sign * per_step * (ends - ends[0]),
-                        name=label,
-                        mode="lines",
-                        line={"dash": "dot", "color": "#2e7d32"},
-                    ),
-                    row=1,
-                    col=1,
-                )
-        measured = []
-        for label, series in (("‖update‖", s.update_norm), ("grad RMS", s.grad_rms)):
-            y = _floats(series)
-            if np.isfinite(y).any():  # update norms exist only where a copy was taken
-                measured.append((label, y))
-        # A log axis hides zeros; when nothing is above 0 (a parameter that never got a
-        # gradient), the axis is linear and the zeros are drawn.
-        log_axis = any((y > 0).any() for _, y in measured)
-        zeros = [label for label, y in measured if not (y > 0).any()]
-        for label, y in measured:
-            if log_axis and label in zeros:
-                continue
-            if log_axis:
-                y = np.where(y > 0, y, math.nan)
-            pick = downsample(y, steps, keep_steps)
-            figure.add_trace(
-                go.Scatter(x=steps[pick], y=_json_floats(y[pick]), name=label, mode="lines"),
-                row=2,
-                col=1,
-            )
-        if log_axis:
-            figure.update_yaxes(type="log", row=2, col=1)
-        if zeros:
-            figure.layout.annotations[
-                1
-            ].text = f"update size against gradient size ({' and '.join(zeros)}: 0 at every record)"
-        elif log_axis:
-            figure.layout.annotations[1].text = "update size against gradient size (log)"
+            self._drift_lines(figure, drift, steps, primary, per_norm)
+        self._update_panel(figure, s.update_norm, s.grad_rms, steps, keep_steps)
         for step in reset_steps:
             figure.add_vline(x=step, line={"color": "#8e24aa", "dash": "dot"})
         if reset_steps:
@@ -594,6 +534,88 @@ class _Page:
                 col=1,
             )
         return self.figure_html(figure, div, name, height=480)
+
+    def _drift_lines(
+        self,
+        figure: Any,
+        finding: Finding,
+        steps: np.ndarray,
+        primary: np.ndarray,
+        per_norm: float,
+    ) -> None:
+        """The measured drift (`drift_per_step` of the finding's evidence) as a straight
+        line from the first value, and the drift its rule predicts
+        (`predicted_drift_per_step`, its assumption in `predicted_by`) where it has one: a
+        finding saved before DW302 carried a prediction draws only the measured line."""
+        ev = finding.evidence
+        rate = float(ev["drift_per_step"]) * per_norm
+        first = ev.get("first_value")
+        start = float(first) if isinstance(first, (int, float)) else float(primary[0])
+        last = ev.get("last_value")
+        if not isinstance(last, (int, float)):
+            last = float(primary[-1])  # a plotted element of a larger parameter
+        sign = -1.0 if last < start else 1.0
+        ends = np.array([steps[0], steps[-1]], dtype=np.float64)
+        code = plotly_text(finding.code)  # evidence and code are text from a file: escaped
+        lines = [(rate, f"measured drift {rate:.3g}/step ({code})", {"dash": "dash"})]
+        predicted = ev.get("predicted_drift_per_step")
+        if isinstance(predicted, (int, float)) and math.isfinite(predicted):
+            per_step = float(predicted) * per_norm
+            label = f"predicted {per_step:.3g}/step"
+            if ev.get("predicted_by"):
+                label += f": {plotly_text(ev['predicted_by'])}"
+            lines.append((per_step, label, {"dash": "dot", "color": "#2e7d32"}))
+        for per_step, label, line in lines:
+            figure.add_trace(
+                self.go.Scatter(
+                    x=ends,
+                    y=start + sign * per_step * (ends - ends[0]),
+                    name=label,
+                    mode="lines",
+                    line=line,
+                ),
+                row=1,
+                col=1,
+            )
+
+    def _update_panel(
+        self,
+        figure: Any,
+        update_norm: Sequence[float | None],
+        grad_rms: Sequence[float | None],
+        steps: np.ndarray,
+        keep_steps: set[int],
+    ) -> None:
+        """The lower panel: the update's size against the gradient's, on a log axis
+        unless one of them is 0 at every record."""
+        measured = []
+        for label, series in (("‖update‖", update_norm), ("grad RMS", grad_rms)):
+            y = _floats(series)
+            if np.isfinite(y).any():  # update norms exist only where a copy was taken
+                measured.append((label, y))
+        # A log axis hides zeros; when nothing is above 0 (a parameter that never got a
+        # gradient), the axis is linear and the zeros are drawn.
+        log_axis = any((y > 0).any() for _, y in measured)
+        zeros = [label for label, y in measured if not (y > 0).any()]
+        for label, y in measured:
+            if log_axis and label in zeros:
+                continue
+            if log_axis:
+                y = np.where(y > 0, y, math.nan)
+            pick = downsample(y, steps, keep_steps)
+            figure.add_trace(
+                self.go.Scatter(x=steps[pick], y=_json_floats(y[pick]), name=label, mode="lines"),
+                row=2,
+                col=1,
+            )
+        if log_axis:
+            figure.update_yaxes(type="log", row=2, col=1)
+        if zeros:
+            figure.layout.annotations[
+                1
+            ].text = f"update size against gradient size ({' and '.join(zeros)}: 0 at every record)"
+        elif log_axis:
+            figure.layout.annotations[1].text = "update size against gradient size (log)"
 
     def _per_parameter(self, prefix: str, report: Report, plots: _Plots) -> list[str]:
         """Bars of the gradient norms a finding measured per parameter (check's DW103 to
@@ -662,16 +684,20 @@ class _Page:
         out: list[str] = []
         tensors = report.subject.get("tensors") or {}
         for k, finding in enumerate(report.findings):
-            if finding.code != "DW402":
-                continue
+            # A layer outlier saved before its evidence carried the `values` of every
+            # layer (`_sibling_values` draws those): the values from the tensor table.
             ev = finding.evidence
+            if "values" in ev or not {"checkpoint", "template", "statistic"} <= ev.keys():
+                continue
             rows = tensors.get(ev.get("checkpoint")) or []
             values = _homologous(rows, str(ev.get("template", "")), str(ev.get("statistic")))
             if len(values) > 1:
                 div = f"{prefix}-f{k}-layers"
-                title = f"DW402: {ev.get('template')} ({ev.get('statistic')})"
+                title = f"{finding.code}: {ev.get('template')} ({ev.get('statistic')})"
                 out.append(self._layer_bars(div, title, values, set(finding.params)))
                 plots.by_finding[id(finding)] = div
+        # Findings that judged a tensor's quantization (DW403) are marked on its chart.
+        quantized = [f for f in report.findings if "effective_bits" in f.evidence]
         quant = report.subject.get("quantization") or {}
         for c, (path, per_tensor) in enumerate(quant.items()):
             bits = sorted(
@@ -690,8 +716,7 @@ class _Page:
                 f"{n} with {f.evidence['quantized_with']}"
                 if f.evidence.get("quantized_with")
                 else n
-                for f in report.findings
-                if f.code == "DW403"
+                for f in quantized
                 for n in f.params
             }
             div = f"{prefix}-bits-{c}"
@@ -709,8 +734,8 @@ class _Page:
             if len(bits) > MAX_BARS:
                 title += f" (lowest {MAX_BARS} of {len(bits)})"
             out.append(self.figure_html(figure, div, title, height=_bar_height(len(shown))))
-            for f in report.findings:
-                if f.code == "DW403" and f.evidence.get("checkpoint") == path:
+            for f in quantized:
+                if f.evidence.get("checkpoint") == path:
                     plots.by_finding.setdefault(id(f), div)
         return out
 
@@ -758,28 +783,13 @@ class _Page:
         return out
 
 
-def predicted_drift(evidence: dict[str, Any], numel: int) -> tuple[float, str] | None:
-    """The drift per step that DW302's evidence predicts for a noise-driven parameter,
-    and its legend label; None when the evidence lacks a number.
-
-    Adam on a gradient that is only noise takes steps of a fixed size whatever the
-    gradient's size (about lr; `mean_update_lr` measures it, in units of lr), and with
-    a share p of its steps the same way it nets (2p − 1) of a step each step: after
-    t steps, t · mean_update_lr · lr · (2p − 1) per element, √numel times that in norm
-    (`numel`: 1 for the value of one element).
-    A measured drift on this line is the noise-driven walk DW302 says it is.
-    """
-    lr, update, p = (evidence.get(k) for k in ("mean_lr", "mean_update_lr", "same_sign_fraction"))
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lr, update, p)):
-        return None
-    assert isinstance(lr, (int, float)) and isinstance(update, (int, float))
-    assert isinstance(p, (int, float))
-    per_step = update * lr * (2 * p - 1) * math.sqrt(max(1, numel))
-    label = (
-        f"predicted {per_step:.3g}/step: Adam on noise, steps of {update:.2g} lr, "
-        f"{p:.0%} the same way"
-    )
-    return per_step, label
+def _declared_plots(finding: Finding) -> tuple[str, ...]:
+    """The figures the finding's rule declares it is drawn on; none for a code this
+    version does not know (a report saved by a newer one)."""
+    try:
+        return get_rule(finding.code).plots
+    except (KeyError, ValueError):
+        return ()
 
 
 def downsample(y: np.ndarray, steps: np.ndarray, keep_steps: Iterable[int] = ()) -> np.ndarray:

@@ -44,12 +44,7 @@ from deadweight._version import __version__
 from deadweight.bounded_json import deeper_than
 from deadweight.output_files import open_log
 from deadweight.watching.event_schema import EventChecker, Rejected
-
-# Bumped when a log carries what an older reader would miss without a word: new keys
-# in an existing event keep the number. A reader accepts every version up to its own
-# and notes a newer one (reading what it can). 2: `loss` events; a version-1 log has
-# none, and the report then says the loss was not recorded.
-LOG_SCHEMA_VERSION = 2
+from deadweight.watching.watch_stats import LOG_SCHEMA_VERSION
 
 
 def _finite(value: Any) -> Any:

@@ -15,6 +15,13 @@ from typing import Any
 from deadweight.errors import CollectiveError
 from deadweight.findings import Finding
 
+# The version of the events `WatchStats.apply` reads, written at the head of every log.
+# Bumped when a log carries what an older reader would miss without a word: new keys
+# in an existing event keep the number. A reader accepts every version up to its own
+# and notes a newer one (reading what it can). 2: `loss` events; a version-1 log has
+# none, and the report then says the loss was not recorded.
+LOG_SCHEMA_VERSION = 2
+
 # How `deadweight run`'s step-0 check ran, most complete first: replayed with the real
 # loss, replayed with a stand-in loss, only what the script's own first backward
 # proves, not at all.

@@ -3,11 +3,13 @@ compared with: siblings in other layers, or the other small parameters of its op
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 
 import pytest
 
-from deadweight.watching.rules._drift import Reference
+from deadweight.watching.rules._drift import Drift, Reference
 from deadweight.watching.rules.dynamics import drift_without_gradient
 from deadweight.watching.watch_stats import ParamTrack, Series, SmallStats, WatchStats
 
@@ -91,3 +93,25 @@ def test_drift_message_reads_well(kind: Reference) -> None:
     assert not re.search(r"\b(its|the|an?) (its|the|an?|of)\b", message), message  # "its the"
     assert "'" not in message and '"' not in message and "  " not in message, message
     assert message == SENTENCE.format(name=name, phrase=phrase)
+
+
+def test_the_drift_adam_on_noise_predicts_is_in_the_evidence() -> None:
+    """The report draws DW302's prediction from its evidence: steps of `mean_update_lr`
+    lr, (2p - 1) of them net one way, in norm like `drift_per_step`."""
+    (finding,) = drift_without_gradient(_stats(Reference.SIBLINGS))
+    ev = finding.evidence
+    assert ev["mean_update_lr"] == pytest.approx(1.0) and ev["same_sign_fraction"] == 0.9
+    assert ev["predicted_drift_per_step"] == pytest.approx(LR * (2 * 0.9 - 1))
+    assert ev["predicted_by"] == "Adam on noise, steps of 1 lr, 90% the same way"
+
+
+def test_the_predicted_drift_is_a_norm_and_needs_its_numbers() -> None:
+    drift = Drift(
+        name="w", steps=100, grad_rms=1e-9, reference_grad_rms=1e-3,
+        reference_kind=Reference.OPTIMIZER, reference_template=None, update_rms=1e-3,
+        reference_update_rms=1e-3, mean_lr=1e-3, same_sign=0.75, total_drift=0.1,
+        start_norm=1.0, net_share=0.5, numel=4,
+    )  # fmt: skip
+    assert drift.predicted_per_step == pytest.approx(1e-3 * 0.5 * 2)  # sqrt(4) in norm
+    assert dataclasses.replace(drift, numel=1).predicted_per_step == pytest.approx(1e-3 * 0.5)
+    assert dataclasses.replace(drift, update_rms=math.nan).predicted_per_step is None

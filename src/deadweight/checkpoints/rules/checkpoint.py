@@ -111,6 +111,7 @@ def checkpoint_layer_outlier(stats: InspectStats) -> Iterator[Finding]:
     - `template`: the name shared by the layers (`layers.{}.attn.q_proj.weight`).
     - `statistic`: what is compared (RMS, absmax, value).
     - `value`, `siblings_median`, `siblings_range`, `robust_z`: the outlier against the rest.
+    - `values`: the statistic of every layer of the group, by tensor name.
     """
     for scan in stats.scans:
         shapes = {n: t.shape for n, t in scan.tensors.items()}
@@ -140,6 +141,7 @@ def checkpoint_layer_outlier(stats: InspectStats) -> Iterator[Finding]:
                     "siblings_median": statistics.median(others),
                     "siblings_range": [min(others), max(others)],
                     "robust_z": z,
+                    "values": {t.name: v for t, v in zip(tensors, values, strict=True)},
                 },
             )
 

@@ -77,6 +77,36 @@ class Drift:
     start_norm: float | None
     net_share: float
     values: tuple[float, float] | None = None  # first and last logged value (scalars)
+    numel: int = 1
+
+    @property
+    def mean_update_lr(self) -> float:
+        """Its mean per-element update, in learning rates."""
+        return self.update_rms / self.mean_lr
+
+    @property
+    def predicted_per_step(self) -> float | None:
+        """The drift per step, in norm, that Adam on a gradient of pure noise predicts;
+        None when a number it needs is not finite.
+
+        Adam on noise takes steps of a fixed size whatever the gradient's size (about
+        lr: `mean_update_lr` of it), and with a share p of its steps the same way it
+        nets (2p - 1) of a step each step: after t steps, t * mean_update_lr * lr *
+        (2p - 1) per element, sqrt(numel) times that in norm. A measured drift on this
+        line is the noise-driven walk DW302 says it is.
+        """
+        update, lr, p = self.mean_update_lr, self.mean_lr, self.same_sign
+        if not all(math.isfinite(v) for v in (update, lr, p)):
+            return None
+        return update * lr * (2 * p - 1) * math.sqrt(max(1, self.numel))
+
+    @property
+    def predicted_by(self) -> str:
+        """What the prediction assumes, in words (the legend of its line in a plot)."""
+        return (
+            f"Adam on noise, steps of {self.mean_update_lr:.2g} lr, "
+            f"{self.same_sign:.0%} the same way"
+        )
 
     @property
     def reference(self) -> str:
@@ -156,6 +186,7 @@ def noise_driven(stats: WatchStats) -> list[Drift]:
                 values=(track.series.value[0][0], track.series.value[-1][0])
                 if track.numel == 1 and track.series.value and track.series.value[-1]
                 else None,
+                numel=track.numel,
             )
         )
     return out

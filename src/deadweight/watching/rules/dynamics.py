@@ -26,6 +26,7 @@ from deadweight.wording import module_of, name_list
     severity=Severity.ERROR,
     summary="A trainable parameter is bitwise unchanged after many optimizer steps.",
     consumes=WatchStats,
+    plots=("loss-plateau",),  # the report marks where the loss stopped falling
 )
 def never_moved(stats: WatchStats) -> Iterator[Finding]:
     """
@@ -300,6 +301,10 @@ def drift_without_gradient(stats: WatchStats) -> Iterator[Finding]:
     - `update_vs_signal`: how much more it moves per unit of gradient than its reference set.
     - `predicted_at_step_0`: under `deadweight run`, the step-0 check's rule (DW104/DW105)
       that found the loss cannot see it, before it had moved at all.
+    - `predicted_drift_per_step`, `predicted_by`: the drift per step (a norm, like
+      `drift_per_step`) that Adam on pure noise gives: steps of `mean_update_lr` lr, a share
+      `same_sign_fraction` of them the same way, so (2p - 1) of a step net per step; and that
+      assumption in words. A measured drift near it is the noise-driven walk this rule names.
     """
     # What `deadweight run`'s step-0 check said the loss cannot see (DW104/DW105).
     predicted = {
@@ -323,7 +328,7 @@ def drift_without_gradient(stats: WatchStats) -> Iterator[Finding]:
                 "steps": d.steps,
                 "drift_per_step": d.total_drift / d.steps,
                 "drift_per_step_lr": d.total_drift / d.steps / d.mean_lr,
-                "mean_update_lr": d.update_rms / d.mean_lr,
+                "mean_update_lr": d.mean_update_lr,
                 "same_sign_fraction": d.same_sign,
                 "total_drift": d.total_drift,
                 "start_norm": d.start_norm,
@@ -337,6 +342,8 @@ def drift_without_gradient(stats: WatchStats) -> Iterator[Finding]:
                 "reference_kind": d.reference_kind.value,
                 "mean_lr": d.mean_lr,
                 "predicted_at_step_0": at_step_0,
+                "predicted_drift_per_step": d.predicted_per_step,
+                "predicted_by": d.predicted_by,
             },
         )
 
