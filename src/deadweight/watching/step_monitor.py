@@ -28,6 +28,7 @@ slices, and the watched step's record combines the ranks' slices in one collecti
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
@@ -120,6 +121,16 @@ def _predicted_reset_amplification(group: dict[str, Any]) -> float | None:
     return None
 
 
+def _views(buffer: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """Consecutive views of `buffer`, one per shape."""
+    out, offset = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        out.append(buffer[offset : offset + size].view(shape))
+        offset += size
+    return out
+
+
 def _loc(t: torch.Tensor) -> torch.Tensor:
     """This rank's slice of a DTensor (FSDP2) parameter or gradient; a plain tensor as is.
 
@@ -187,7 +198,27 @@ class _Bucket:
             if ns
             else torch.zeros(0, dtype=torch.long, device=device)
         )
-        self.theta0 = self._cat_small()
+        # Flat float64 buffers of the small parameters (and their gradients), with a view
+        # per parameter made once here: each step reads all of them with one
+        # `_foreach_copy_`, whatever their number (a view or a `cat` per tensor and step
+        # is a Python-and-dispatch cost that grows with the model's tensor count).
+        total = int(sum(sizes))
+        shapes = [_loc(params[i]).shape for i in self.small]
+        self._bufs = {
+            key: torch.zeros(total, **f64) for key in ("theta0", "pre", "post", "grad")
+        }
+        self._views = {key: _views(buf, shapes) for key, buf in self._bufs.items()}
+        # Under FSDP2 a DTensor's local slice is a new view at each `to_local()`: those
+        # are taken per step; plain parameters are read as they are.
+        self._plain_small = None if shards is not None else [params[i] for i in self.small]
+        tiny = [k for k, i in enumerate(self.small) if params[i].numel() <= VALUES_MAX]
+        starts = [0, *itertools.accumulate(sizes)]
+        self._tiny_index = torch.tensor(
+            [j for k in tiny for j in range(starts[k], starts[k + 1])],
+            dtype=torch.long,
+            device=device,
+        )
+        self.theta0 = self._read_small("theta0")
         self.path = torch.zeros(ns, **f64)  # sum over steps of ||update||
         self.rpos = torch.zeros(ns, **f64)  # steps whose update points away from 0 (radially)
         self.rneg = torch.zeros(ns, **f64)
@@ -200,13 +231,35 @@ class _Bucket:
         self.gn_small: torch.Tensor | None = None
         self.copies: dict[int, torch.Tensor] = {}
 
-    def _cat_small(self) -> torch.Tensor:
-        if not self.small:
-            return torch.zeros(0, dtype=torch.float64, device=self.device)
-        with torch.no_grad():
-            return torch.cat(
-                [_loc(self.params[i].detach()).reshape(-1) for i in self.small]
-            ).double()
+    def _small_sources(self) -> list[torch.Tensor]:
+        if self._plain_small is not None:
+            return self._plain_small
+        return [_loc(self.params[i]) for i in self.small]
+
+    @torch.no_grad()
+    def _read_small(self, key: str) -> torch.Tensor:
+        """The small parameters' values, flat in float64, into buffer `key`: one call."""
+        if self.small:
+            torch._foreach_copy_(self._views[key], self._small_sources())
+        return self._bufs[key]
+
+    @torch.no_grad()
+    def _read_small_grads(self) -> torch.Tensor:
+        """The small parameters' gradients, flat in float64 (0 where a gradient is
+        missing): one call, two when some are missing."""
+        views, sources, missing = [], [], False
+        for view, i in zip(self._views["grad"], self.small, strict=True):
+            g = self.grad_of(self.params[i])
+            if g is None:
+                missing = True
+                continue
+            views.append(view)
+            sources.append(_loc(g).to_dense() if g.is_sparse else _loc(g))
+        if missing:
+            self._bufs["grad"].zero_()
+        if sources:
+            torch._foreach_copy_(views, sources)
+        return self._bufs["grad"]
 
     def _segsum(self, values: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(len(self.small), dtype=torch.float64, device=self.device)
@@ -255,16 +308,8 @@ class _Bucket:
     def small_before(self, amp: AmpStep | None = None) -> None:
         if not self.small:
             return
-        pre = self._cat_small()
-        grads = []
-        for i in self.small:
-            g = self.grad_of(self.params[i])
-            grads.append(
-                _loc(g).reshape(-1)
-                if g is not None
-                else torch.zeros(_loc(self.params[i]).numel(), device=self.device)
-            )
-        gcat = torch.cat(grads).double()
+        pre = self._read_small("pre")
+        gcat = self._read_small_grads()
         weights = self.amp_weights(amp)
         if weights is not None:  # a skipped step then has no gradient, so no "lost" update
             gcat = torch.where(weights[0], gcat * weights[1], 0.0)
@@ -277,7 +322,7 @@ class _Bucket:
     def small_after(self, step: int) -> None:
         if not self.small or self.pre_small is None:
             return
-        post = self._cat_small()
+        post = self._read_small("post")
         update = post - self.pre_small
         un = self._segsum(update * update).sqrt()
         radial = self._segsum(update * self.pre_small)
@@ -294,13 +339,15 @@ class _Bucket:
 
     @torch.no_grad()
     def copy_before(self, chosen: list[int]) -> None:
-        self.copies = {i: _loc(self.params[i].detach()).clone() for i in chosen}
+        # One call for all: x * 1 is x bit for bit (signed zeros, inf and NaN included).
+        copies = torch._foreach_mul([_loc(self.params[i]) for i in chosen], 1) if chosen else []
+        self.copies = dict(zip(chosen, copies, strict=True))
 
     @torch.no_grad()
     def measure_after(self) -> dict[str, Any]:
         """Everything for one record, in one host transfer (two when a large parameter's
         norm is bitwise unchanged and its fingerprint must decide)."""
-        params = [_loc(p.detach()) for p in self.params]
+        params = self.params if self.shards is None else [_loc(p) for p in self.params]
         pnorm = torch.stack(torch._foreach_norm(params)).double()
         copied = sorted(self.copies)
         if copied:
@@ -312,20 +359,13 @@ class _Bucket:
             unorm = torch.zeros(0, dtype=torch.float64, device=self.device)
         self.copies = {}
         if self.small:
-            post = self._cat_small()
+            post = self._read_small("post")
             drift = self._segsum((post - self.theta0) ** 2).sqrt()
             smalls = [
                 self.path, self.rpos, self.rneg, self.sens, self.gsum, self.zero_upd, drift,
                 self.last_un,
             ]  # fmt: skip
-            values = torch.cat(
-                [
-                    params[i].reshape(-1).double()
-                    for i in self.small
-                    if self.params[i].numel() <= VALUES_MAX  # the whole parameter's size
-                ]
-                or [torch.zeros(0, dtype=torch.float64, device=self.device)]
-            )
+            values = post.index_select(0, self._tiny_index)
         else:
             smalls, values = [], torch.zeros(0, dtype=torch.float64, device=self.device)
         packed = torch.cat(
