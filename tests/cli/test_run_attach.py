@@ -172,7 +172,7 @@ def test_a_watch_that_fails_to_start_is_said_and_exits_2(tmp_path):
     # A sitecustomize of the user's runs first (deadweight chains it): here it breaks
     # deadweight's own start, as a bug in deadweight would.
     (site / "sitecustomize.py").write_text(
-        "import deadweight.watching.zero_code as z\n"
+        "import deadweight.watching.run_in_script as z\n"
         "def start(how='import torch'):\n"
         "    raise RuntimeError('broken start')\n"
         "z.start = start\n"

@@ -26,7 +26,7 @@ import deadweight
 from deadweight.cli import main
 from deadweight.demos import fused_rmsnorm
 from deadweight.findings import Severity
-from deadweight.watching.zero_code import ENV_LOG
+from deadweight.watching.run_in_script import ENV_LOG
 
 TIMEOUT = 300  # generous: shared CI machines
 

@@ -3,7 +3,7 @@
 `deepspeed.initialize` returns them, and `deadweight run` watches the unmodified
 script. DeepSpeed steps fp32 master copies in flat partitions, once per parameter
 group; the watch sees one step per training step, named after the model's own
-parameters (watching/zero_partitions.py)."""
+parameters (watching/deepspeed_partitions.py)."""
 
 from __future__ import annotations
 

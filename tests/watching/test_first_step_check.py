@@ -1,4 +1,4 @@
-"""`deadweight run`'s step-0 check (watching/step_zero.py) against `deadweight.check` on the
+"""`deadweight run`'s step-0 check (watching/first_step_check.py) against `deadweight.check` on the
 same model and batch, side by side, in-process through the zero-code watch itself.
 
 Where the loss comes out of the model's forward the step-0 check is `check` with the
@@ -22,8 +22,8 @@ from torch import nn
 
 import deadweight
 from deadweight.demos import fused_rmsnorm, layer_scalar_drift
+from deadweight.watching.first_step_check import locate
 from deadweight.watching.step_monitor import MonitorConfig
-from deadweight.watching.step_zero import locate
 from deadweight.watching.watcher import GlobalWatch, report_from_stats
 from tests.e2e import seeded
 

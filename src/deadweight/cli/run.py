@@ -1,7 +1,7 @@
 """`deadweight run -- python train.py ARGS`: watch an unmodified training script.
 
 The command runs in a child process whose interpreter starts deadweight's global
-optimizer hooks before the script's first line (see `deadweight.watching.zero_code`). When
+optimizer hooks before the script's first line (see `deadweight.watching.run_in_script`). When
 it ends, however it ends (exit, exception, Ctrl-C, kill), the report is rebuilt
 from the event log and printed, and the script's own exit code is returned. A
 SIGTERM sent to deadweight is passed on to the script at once.
@@ -44,7 +44,7 @@ from deadweight.registry import Selection
 from deadweight.report.display import safe_text
 from deadweight.watching import run_status
 from deadweight.watching.event_log import process_logs_beside, read_start
-from deadweight.watching.zero_code import ENV_CHECK, ENV_EVERY, ENV_FULL, ENV_LOG, ENV_RUN_ID
+from deadweight.watching.run_in_script import ENV_CHECK, ENV_EVERY, ENV_FULL, ENV_LOG, ENV_RUN_ID
 
 try:
     import fcntl

@@ -204,9 +204,7 @@ class _Bucket:
         # is a Python-and-dispatch cost that grows with the model's tensor count).
         total = int(sum(sizes))
         shapes = [_loc(params[i]).shape for i in self.small]
-        self._bufs = {
-            key: torch.zeros(total, **f64) for key in ("theta0", "pre", "post", "grad")
-        }
+        self._bufs = {key: torch.zeros(total, **f64) for key in ("theta0", "pre", "post", "grad")}
         self._views = {key: _views(buf, shapes) for key, buf in self._bufs.items()}
         # Under FSDP2 a DTensor's local slice is a new view at each `to_local()`: those
         # are taken per step; plain parameters are read as they are.
@@ -557,7 +555,7 @@ class StepMonitor:
         self.optimizer = optimizer
         # Where each parameter's gradient is read: its `.grad`, or, for an optimizer
         # that steps with gradients kept elsewhere (DeepSpeed's, through its view in
-        # watching/zero_partitions.py), what the optimizer's `grad_of` says.
+        # watching/deepspeed_partitions.py), what the optimizer's `grad_of` says.
         grad_of = getattr(optimizer, "grad_of", None)
         self.grad_of: GradOf = grad_of if callable(grad_of) else _own_grad
         self.config = config

@@ -36,11 +36,11 @@ from deadweight.distributed.replicas import ReplicaCheck
 from deadweight.errors import InputError
 from deadweight.report import Report
 from deadweight.thresholds import Thresholds, using
-from deadweight.watching import scaler_steps, zero_partitions
+from deadweight.watching import deepspeed_partitions, scaler_steps
 from deadweight.watching.event_log import LogWriter, log_path_for_rank, start_event
+from deadweight.watching.first_step_check import FirstStep
 from deadweight.watching.loop_checks import LoopChecks
 from deadweight.watching.step_monitor import MonitorConfig, StepMonitor
-from deadweight.watching.step_zero import FirstStep
 from deadweight.watching.watch_report import report_from_stats
 from deadweight.watching.watch_stats import WatchStats
 
@@ -94,9 +94,9 @@ def _stepping(optimizer: Any) -> Any:
 
 def _torch_optimizer_or_error(x: Any) -> torch.optim.Optimizer:
     """The optimizer whose steps are watched: a DeepSpeed ZeRO optimizer's view over
-    the user's parameters (watching/zero_partitions.py), else the torch optimizer that
+    the user's parameters (watching/deepspeed_partitions.py), else the torch optimizer that
     steps inside `x`."""
-    view = zero_partitions.view_of(x)
+    view = deepspeed_partitions.view_of(x)
     if view is not None:
         return view
     found = wrappers.torch_optimizer(x)
@@ -181,7 +181,7 @@ class Watch:
         self._emit(start_event(config.to_dict(), argv))
         watched = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
         for opt in optimizers:  # DeepSpeed's view watches the parameters' fp32 masters
-            if isinstance(opt, zero_partitions.ZeroView):
+            if isinstance(opt, deepspeed_partitions.ZeroView):
                 watched.update(id(p) for p in opt.owners.values())
         # and megatron-core's optimizers their fp32 main copies
         watched.update(id(p) for copy, p in self._main_copies.items() if copy in watched)
@@ -231,7 +231,7 @@ class Watch:
     def _adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """A DeepSpeed ZeRO view: name its tensors after the user's parameters, give
         DeepSpeed its step back when the watch closes, and say what it cannot see."""
-        if not isinstance(optimizer, zero_partitions.ZeroView):
+        if not isinstance(optimizer, deepspeed_partitions.ZeroView):
             return
         self._restore.append(optimizer.release)
         for view_id, param in optimizer.owners.items():
@@ -354,7 +354,7 @@ class Watch:
                 held,
                 list(zip(prefixes, models, strict=True)),
                 self._emit,
-                gradients_in_grad=not isinstance(optimizer, zero_partitions.ZeroView),
+                gradients_in_grad=not isinstance(optimizer, deepspeed_partitions.ZeroView),
             )
         except Exception as exc:
             self._error("loop checks", exc)
@@ -697,7 +697,7 @@ class GlobalWatch(Watch):
     ) -> None:
         """`loss`: record the loss at each `.backward()` (counted either way); `check`:
         run `deadweight.check` on the first training batch at the first optimizer step
-        (watching/step_zero.py)."""
+        (watching/first_step_check.py)."""
         super().__init__(config=config, log=log, argv=argv, lazy_log=True)
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
@@ -806,7 +806,7 @@ class GlobalWatch(Watch):
         # After discovery, so the check names the parameters as the watch does.
         first = self._first
         if first is not None and not first.done and first.before_step(optimizer, args, kwargs):
-            self._step_zero(first, optimizer)
+            self._first_step_check(first, optimizer)
         if monitor is None:
             return None
         with contextlib.suppress(Exception):
@@ -816,10 +816,10 @@ class GlobalWatch(Watch):
     def _global_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         first = self._first
         if first is not None and first.after_step(optimizer):  # backward ran in step(closure)
-            self._step_zero(first, optimizer)
+            self._first_step_check(first, optimizer)
         self._post_hook(optimizer, args, kwargs)
 
-    def _step_zero(self, first: FirstStep, optimizer: torch.optim.Optimizer) -> None:
+    def _first_step_check(self, first: FirstStep, optimizer: torch.optim.Optimizer) -> None:
         """The step-0 check of this optimizer, into the log; never stops the script."""
         self._checking = True
         try:
@@ -840,17 +840,17 @@ class GlobalWatch(Watch):
         parameter group on flat partitions: never watched itself. Its ZeRO optimizer
         is watched through its view instead, from the next training step on (the
         view's hooks run around DeepSpeed's whole step)."""
-        zero = zero_partitions.owner_of(optimizer)
+        zero = deepspeed_partitions.owner_of(optimizer)
         if zero is None:
             return False
         self._unwatched.add(optimizer)
-        self._restore.append(zero_partitions.on_next_step(zero, self._watch_zero))
+        self._restore.append(deepspeed_partitions.on_next_step(zero, self._watch_zero))
         return True
 
-    def _watch_zero(self, zero: Any) -> zero_partitions.ZeroView | None:
+    def _watch_zero(self, zero: Any) -> deepspeed_partitions.ZeroView | None:
         if self._closed:
             return None
-        view = zero_partitions.view_of(zero)
+        view = deepspeed_partitions.view_of(zero)
         if view is not None and id(view) not in self._monitors:
             self._open_log()
             self._name_from_models(list(view.owners.values()))

@@ -79,9 +79,9 @@ def main(stage: int, bug: str, precision: str, mode: str) -> dict[str, Any] | No
     import deadweight
 
     if mode == "unmapped":
-        from deadweight.watching import zero_partitions
+        from deadweight.watching import deepspeed_partitions
 
-        zero_partitions._LAYOUTS.clear()
+        deepspeed_partitions._LAYOUTS.clear()
 
     # The README's order: check the model before DeepSpeed wraps it, with the
     # optimizer DeepSpeed's config will build (AdamW over the same groups).

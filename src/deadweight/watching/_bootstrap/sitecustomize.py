@@ -51,7 +51,7 @@ def _start(how: str) -> None:
         return
     _attach["started"] = True
     try:
-        from deadweight.watching.zero_code import start
+        from deadweight.watching.run_in_script import start
 
         start(how)
     except Exception as exc:  # never stop the user's script
@@ -165,7 +165,7 @@ def _start_after_exec(spec: importlib.machinery.ModuleSpec, how: str) -> None:
 
 def _tell_run_at_exit() -> None:
     """A process that imported torch but never started watching says so (one that
-    started says it from `zero_code`); a process without torch says nothing."""
+    started says it from `run_in_script`); a process without torch says nothing."""
     if _attach["started"] and _attach["error"] is None:
         return
     if "torch" not in sys.modules:
