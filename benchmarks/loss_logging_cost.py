@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 import deadweight
-from deadweight.watching.watcher import GlobalWatch, Watch, watch_all
+from deadweight.watching.global_watch import GlobalWatch, watch_all
+from deadweight.watching.watcher import Watch
 
 EVERY = 20  # watch's default cadence
 

@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deadweight.watching.watcher import GlobalWatch, MonitorConfig
+from deadweight.watching.global_watch import GlobalWatch
+from deadweight.watching.step_monitor import MonitorConfig
 
 STEPS = 60
 COST_STEPS = 30

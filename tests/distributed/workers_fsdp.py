@@ -62,7 +62,7 @@ def fsdp2_checkpoint(rank: int, world: int, out: str) -> dict[str, Any]:
 def fsdp2_entry_points(rank: int, world: int, out: str) -> dict[str, Any]:
     """watch, check and zero-code watching on a healthy FSDP2 model: they run, and agree."""
     import deadweight
-    from deadweight.watching.watcher import watch_all
+    from deadweight.watching.global_watch import watch_all
 
     model = _sharded(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

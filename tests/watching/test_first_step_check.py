@@ -23,8 +23,9 @@ from torch import nn
 import deadweight
 from deadweight.demos import fused_rmsnorm, layer_scalar_drift
 from deadweight.watching.first_step_check import locate
+from deadweight.watching.global_watch import GlobalWatch
 from deadweight.watching.step_monitor import MonitorConfig
-from deadweight.watching.watcher import GlobalWatch, report_from_stats
+from deadweight.watching.watcher import report_from_stats
 from tests.e2e import seeded
 
 STEPS = 3

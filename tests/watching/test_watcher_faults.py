@@ -214,7 +214,7 @@ def test_a_monitor_that_cannot_be_built_leaves_the_optimizer_unwatched():
 
 def test_zero_code_mode_does_not_retry_a_monitor_that_cannot_be_built(monkeypatch):
     from deadweight import owners
-    from deadweight.watching.watcher import watch_all
+    from deadweight.watching.global_watch import watch_all
 
     scans = [0]
     original = owners.owning_models

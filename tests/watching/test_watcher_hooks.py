@@ -14,7 +14,7 @@ from torch.optim import optimizer as optimizer_module
 
 import deadweight
 from deadweight.watching import scaler_steps
-from deadweight.watching.watcher import watch_all
+from deadweight.watching.global_watch import watch_all
 
 
 def _global_hooks() -> tuple[dict, dict]:

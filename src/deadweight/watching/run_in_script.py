@@ -101,8 +101,8 @@ def start(how: str = "import torch") -> None:
     # Here, not at the top: `deadweight run` itself reads the ENV_* names above and
     # never imports torch.
     from deadweight.watching import run_status
+    from deadweight.watching.global_watch import GlobalWatch
     from deadweight.watching.step_monitor import MonitorConfig
-    from deadweight.watching.watcher import GlobalWatch
 
     run_id = os.environ.get(ENV_RUN_ID)
 

@@ -121,7 +121,7 @@ def test_seed2_pinned_nothing_fires() -> None:
 def test_seed2_new_optimizer_in_zero_code_mode() -> None:
     """Stage 2 of the incident: a new optimizer over the same parameters (--no-load-optim),
     seen by the global hooks of `deadweight run`."""
-    from deadweight.watching.watcher import watch_all
+    from deadweight.watching.global_watch import watch_all
 
     setup = layer_scalar_drift.make_watchable()
     with watch_all(every=20) as w:

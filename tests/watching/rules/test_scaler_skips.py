@@ -9,7 +9,7 @@ from torch.amp.grad_scaler import GradScaler
 
 import deadweight
 from deadweight.watching import scaler_steps
-from deadweight.watching.watcher import watch_all
+from deadweight.watching.global_watch import watch_all
 
 
 class WithBadBranch(nn.Module):
