@@ -170,10 +170,10 @@ def test_deadweight_run_on_a_megatron_script(tmp_path: Path, spec: str) -> None:
     """The unmodified script under `deadweight run`: a torch AdamW over megatron-core's
     groups, and Megatron's own bf16 path (its DDP, `get_megatron_optimizer`). Its loss
     is computed outside the model (as in Megatron's own loop), so the step-0 check runs
-    structure-only and keeps the optimizer audit; the cancellation itself (DW104) needs
-    the structural proof, which does not cross the custom autograd Functions behind the
-    norm's output (Megatron's ColumnParallelLinear and vocab-parallel cross-entropy).
-    In bf16 the watch finds the model through the main copies the optimizer steps and
+    structure-only and keeps the optimizer audit and the structural proof of the
+    cancellation (DW104): the final norm cancels the scale before the custom autograd
+    Functions behind its output (Megatron's ColumnParallelLinear and vocab-parallel
+    cross-entropy), which hide only what reaches them. In bf16 the watch finds the model through the main copies the optimizer steps and
     names them after its parameters."""
     report, _ = deadweight_run(
         sys.executable,
@@ -184,7 +184,7 @@ def test_deadweight_run_on_a_megatron_script(tmp_path: Path, spec: str) -> None:
         timeout=300,
     )
     found = _codes(report["findings"])
-    assert found == {"DW203": [SCALAR], "DW204": [SCALAR]}, report["findings"]
+    assert found == {"DW104": [SCALAR], "DW203": [SCALAR], "DW204": [SCALAR]}, report["findings"]
     events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     (check,) = [e for e in events if e.get("event") == "check"]
     assert check["mode"] == "structure-only"

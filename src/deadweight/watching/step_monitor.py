@@ -249,8 +249,11 @@ class _Bucket:
             if g is None:
                 missing = True
                 continue
+            source = _loc(g).to_dense() if g.is_sparse else _loc(g)
+            if source.shape != view.shape:  # kept flat elsewhere (a flat main copy's)
+                source = source.reshape(view.shape)
             views.append(view)
-            sources.append(_loc(g).to_dense() if g.is_sparse else _loc(g))
+            sources.append(source)
         if missing:
             self._bufs["grad"].zero_()
         if sources:
