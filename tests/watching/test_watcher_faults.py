@@ -242,3 +242,21 @@ def test_a_failing_log_close_does_not_end_the_script(monkeypatch, tmp_path):
     assert w is not None and w.stats.end is not None
     for name, value in plain_params().items():
         assert torch.equal(value, params[name]), name
+
+
+def test_a_weakref_proxy_to_the_model_costs_no_names() -> None:
+    """Lightning keeps a `weakref.proxy` to the LightningModule; the garbage collector's
+    scan finds it beside the module, and it cannot itself be weakly referenced."""
+    import weakref
+
+    from deadweight.watching.global_watch import watch_all
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    proxy = weakref.proxy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch_all(every=1) as w:
+        model(torch.randn(2, 3)).sum().backward()
+        optimizer.step()
+    assert proxy is not None
+    assert not [e for e in w.stats.errors if e.get("detector") == "names"], w.stats.errors
+    assert any(name.endswith("0.weight") for name in w.stats.params)

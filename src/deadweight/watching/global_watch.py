@@ -196,7 +196,9 @@ class GlobalWatch(Watch):
     def _name_from_models(self, params: list[torch.Tensor]) -> None:
         try:
             models = owners.owning_models(params)
-            self._found_models.update(models)
+            for model in models:  # a weakref.proxy to a module (Lightning's) has no weakref
+                with contextlib.suppress(TypeError):
+                    self._found_models.add(model)
             for name_id, name in owners.parameter_names(models).items():
                 self._names.setdefault(name_id, name)
             for copy_id, p in wrappers.main_copies(models).items():
