@@ -39,11 +39,13 @@ def test_groups_sorted_by_layer_index_not_text() -> None:
 
 def test_literal_braces_in_names_are_text() -> None:
     """A checkpoint can name its tensors `{}{}...`: the template keeps them as they are,
-    the index is the one numeric component, and an all-digit name joins no group."""
+    the index is the one numeric component, and an all-digit name of 40 digits is no
+    index at all (more than MAX_INDEX_DIGITS: a name, not a layer number)."""
     braces = "{}" * 24
     names = [f"{braces}.{i}.s" for i in range(4)] + ["1" * 40]
     assert layer_key(names[2]) == (f"{braces}.{{}}.s", 2)
-    assert layer_key("1" * 40) == ("{}", int("1" * 40))
+    assert layer_key("1" * 40) is None
+    assert layer_key("1" * 18) == ("{}", int("1" * 18))
     groups = homologous_groups(names)
     assert list(groups) == [f"{braces}.{{}}.s"]
     assert [n for _, n in groups[f"{braces}.{{}}.s"]] == names[:4]
