@@ -176,17 +176,10 @@ class Replay:
             for p in reached:
                 leaf = unsharded.get(id(p), p)
                 if id(p) not in upstream and id(leaf) not in upstream:
-                    loss = loss + 0.0 * _local(p).float().sum()
+                    loss = loss + 0.0 * distributed.local_tensor(p).float().sum()
             return loss
 
         return stand_in
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """`p` as a plain tensor: a DTensor (an FSDP2 shard) by its local shard, through an
-    op autograd follows back to it."""
-    to_local = getattr(p, "to_local", None)
-    return to_local() if callable(to_local) else p
 
 
 def _got_gradient(p: torch.Tensor) -> bool:

@@ -18,10 +18,6 @@ if TYPE_CHECKING:
 VALUES_MAX = 16
 
 
-def _loc(t: torch.Tensor) -> torch.Tensor:
-    return distributed.local_tensor(t)
-
-
 class ShardRecord:
     """One watched step's numbers of a bucket of DTensor (FSDP2) parameters, combined
     over the ranks in one collective of a few float64 per parameter tensor and rank.
@@ -65,8 +61,10 @@ class ShardRecord:
         u2 = torch.zeros(n, dtype=torch.float64)
         if c:
             u2[self.copied] = unorm**2 * w[self.copied]
-        holders = torch.tensor([float(_loc(b.params[i]).numel() > 0) for i in b.small])
-        counts = [_loc(b.params[i]).numel() for i in tiny]
+        holders = torch.tensor(
+            [float(distributed.local_tensor(b.params[i]).numel() > 0) for i in b.small]
+        )
+        counts = [distributed.local_tensor(b.params[i]).numel() for i in tiny]
         slots = torch.zeros(sum(b.params[i].numel() for i in tiny), dtype=torch.float64)
         offset = cursor = 0
         for i, k in zip(tiny, counts, strict=True):
