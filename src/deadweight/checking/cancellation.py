@@ -44,12 +44,12 @@ verdict does not depend on the loss's value, form or scale.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdRef
 
 from deadweight import autograd_graph
 from deadweight.checking.carrier_algebra import (
@@ -112,7 +112,8 @@ class StructureTracker:
         self.param_names = self._names
         self._entry: dict[int, Carrier] = {}
         self._carriers = _TensorCarriers()
-        self.absorbed: dict[int, list[Mechanism]] = {}
+        self.absorbed: dict[int, list[_Absorbed]] = {}
+        self._free_means: set[int] = set()  # shift entities some call absorbed in part
         self.opaque: set[int] = set()  # parameter indices
         # The entities (parameter and kind) that reached a call the pass cannot see
         # into: a scale cancelled before such a call still holds when only the
@@ -138,7 +139,12 @@ class StructureTracker:
             return EMPTY
         pid = id(value)
         i = self._index.get(pid)
-        if i is None and self._stand_ins is not None and isinstance(value, torch.nn.Parameter):
+        if i is None:
+            if self._stand_ins is None or not isinstance(value, torch.nn.Parameter):
+                # an activation: `_TensorCarriers.get`, inlined (it runs for every
+                # tensor argument of every traced call)
+                found = self._carriers.by_id.get(pid)
+                return found[1] if found is not None and found[0]() is value else EMPTY
             i = self._stand_in_index(value)
         if i is not None and value.requires_grad:
             entry = self._entry.get(i)
@@ -153,6 +159,14 @@ class StructureTracker:
                 self._coarsen(entry, value)
             return entry
         return self._carriers.get(value)
+
+    def _carries_any(self, args: tuple, kwargs: dict) -> bool:
+        """Whether any argument carries a parameter's effect (`carrier` is not EMPTY),
+        without making the carriers: most calls of a forward take none."""
+        for value in flat_args(args, kwargs):
+            if isinstance(value, Tensor) and self.carrier(value) is not EMPTY:
+                return True
+        return False
 
     def _stand_in_index(self, leaf: Tensor) -> int | None:
         pid = id(leaf)
@@ -237,13 +251,11 @@ class StructureTracker:
         # dtype) and those whose inputs carry no parameter's effect (ids, masks,
         # positions): they leave before any carrier is made.
         outs = tensor_outputs(out)
-        if not outs:
-            return
-        carriers = [self.carrier(v) for v in flat_args(args, kwargs)]
-        if not any(c.lost or c.partial or c.pure for c in carriers):
+        if not outs or not self._carries_any(args, kwargs):
             return
         propagate = PROPAGATORS.get(name)
         if propagate is None:
+            carriers = [self.carrier(v) for v in flat_args(args, kwargs)]
             if _is_custom_op(func):
                 for c in carriers:
                     self._opaque(c.all_entities() | c.partial)
@@ -266,6 +278,12 @@ class StructureTracker:
     def absorb(
         self, ctx: OpCall, entity: int, facet: Facet, op: str, dims: Iterable[int], full: bool
     ) -> None:
+        if facet.kind == SHIFT and not full:
+            # A free mean, which `result` never reports (see there): noted, not recorded.
+            # Every LayerNorm frees the mean of each bias upstream of it, so these are
+            # most of what a transformer's norms absorb.
+            self._free_means.add(entity)
+            return
         if ctx.where is None:
             # Where the call ran, and its outputs' rounding: the same for every effect it
             # cancels, so the frame walk is made once per call, not once per parameter.
@@ -274,18 +292,19 @@ class StructureTracker:
                 self._current_module(),
                 max([FLOAT32_ROUNDOFF] + [unit_roundoff(o.dtype) for o in tensor_outputs(ctx.out)]),
             )
-        site, module, out_rounding = ctx.where
+        # A record, not a Mechanism: most are uniform shifts that `result` drops (a
+        # LayerNorm absorbs every bias upstream of it), so the dataclass is built only
+        # for the cancellations it reports.
         self.absorbed.setdefault(entity, []).append(
-            Mechanism(
-                op=op,
-                call=ctx.name,
-                ordinal=ctx.ordinal,
-                site=site,
-                module=module,
-                dims=tuple(sorted(dims)),
-                facet="full" if full else "uniform",
-                approx=facet.approx or op in EPS_OPS,
-                rounding=max(self._rounding.get(entity, FLOAT32_ROUNDOFF), out_rounding),
+            (
+                ctx.name,
+                ctx.ordinal,
+                op,
+                ctx.where,
+                dims,
+                full,
+                facet.approx or op in EPS_OPS,
+                max(self._rounding.get(entity, FLOAT32_ROUNDOFF), ctx.where[2]),
             )
         )
         ctx.absorbed = True
@@ -295,14 +314,14 @@ class StructureTracker:
         at_loss = self.carrier(loss)
         influencing = {e // 2 for e in at_loss.lost | frozenset(at_loss.pure)}
         cancellations: dict[str, Cancellation] = {}
-        for e, mechanisms in self.absorbed.items():
+        for e, records in self.absorbed.items():
             i, kind = divmod(e, 2)
             if e in self._opaque_entities or not has_grad(i):
                 continue
             if e in at_loss.lost or e in at_loss.pure:
                 continue  # it reaches the loss in another way too
-            full = e not in at_loss.partial and all(m.facet == "full" for m in mechanisms)
-            if kind == SHIFT and not full:
+            full = e not in at_loss.partial and all(r[5] for r in records)
+            if kind == SHIFT and (not full or e in self._free_means):
                 # A free mean (a bias or an embedding feeding a LayerNorm or a softmax) is
                 # how mean-subtracting designs work; nothing to report or to confirm.
                 continue
@@ -311,7 +330,7 @@ class StructureTracker:
             # A full cancellation of either effect says more than a uniform one.
             if known is not None and (known.full or not full):
                 continue
-            cancellations[name] = Cancellation(name, KINDS[kind], full, _unique(mechanisms))
+            cancellations[name] = Cancellation(name, KINDS[kind], full, _unique(records))
         # Every path of the autograd graph from the loss to a candidate must pass one of
         # the ops that cancel it; a path around them is a use the pass did not see (a
         # call outside torch's API, a compiled region): then it is no candidate.
@@ -342,43 +361,63 @@ class StructureTracker:
         )
 
 
-def _unique(mechanisms: list[Mechanism]) -> tuple[Mechanism, ...]:
-    seen: dict[tuple[str, int], Mechanism] = {}
-    for m in mechanisms:
-        seen.setdefault((m.call, m.ordinal), m)
-    return tuple(seen.values())
+# One absorbed effect: (call, ordinal, op, (site, module, output rounding), dims,
+# full, approx, rounding), as `absorb` records it.
+_Absorbed = tuple[str, int, str, tuple[Any, Any, float], Iterable[int], bool, bool, float]
+
+
+def _unique(records: list[_Absorbed]) -> tuple[Mechanism, ...]:
+    """One Mechanism per cancelling call, from the first record of it."""
+    seen: dict[tuple[str, int], _Absorbed] = {}
+    for r in records:
+        seen.setdefault((r[0], r[1]), r)
+    return tuple(
+        Mechanism(
+            op=op,
+            call=call,
+            ordinal=ordinal,
+            site=where[0],
+            module=where[1],
+            dims=tuple(sorted(dims)),
+            facet="full" if full else "uniform",
+            approx=approx,
+            rounding=rounding,
+        )
+        for call, ordinal, op, where, dims, full, approx, rounding in seen.values()
+    )
 
 
 class _TensorCarriers:
     """Carriers by tensor, held weakly: a dict by id, each entry with a weak reference
     that tells a live tensor from a later one that reused its id, and drops the entry
     when its tensor dies. (A WeakIdKeyDictionary built a weak key object on every
-    lookup, several per traced call.)"""
+    lookup, several per traced call; a plain `weakref.ref` is called in C, where
+    torch's WeakIdRef runs a Python `__call__`.)"""
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple[WeakIdRef, Carrier]] = {}
+        self.by_id: dict[int, tuple[weakref.ref[Tensor], Carrier]] = {}
 
     def get(self, value: Tensor) -> Carrier:
-        entry = self._by_id.get(id(value))
+        entry = self.by_id.get(id(value))
         if entry is not None and entry[0]() is value:
             return entry[1]
         return EMPTY
 
     def set(self, value: Tensor, carrier: Carrier) -> None:
         key = id(value)
-        by_id = self._by_id
+        by_id = self.by_id
 
-        def drop(ref: WeakIdRef) -> None:
+        def drop(ref: weakref.ref[Tensor]) -> None:
             entry = by_id.get(key)
             if entry is not None and entry[0] is ref:
                 del by_id[key]
 
-        by_id[key] = (WeakIdRef(value, drop), carrier)
+        by_id[key] = (weakref.ref(value, drop), carrier)
 
     def discard(self, value: Tensor) -> None:
-        entry = self._by_id.get(id(value))
+        entry = self.by_id.get(id(value))
         if entry is not None and entry[0]() is value:
-            del self._by_id[id(value)]
+            del self.by_id[id(value)]
 
 
 def _is_custom_op(func: Any) -> bool:

@@ -12,10 +12,10 @@ broadcasts, turning effects into plain dependences, merging carriers.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,8 +37,7 @@ def new_tag() -> int:
 # -- the abstract values -------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Facet:
+class Facet(NamedTuple):
     """One pure effect of one parameter on one tensor.
 
     full: the dims of the tensor along which the factor (scale) or the added term
@@ -48,6 +47,9 @@ class Facet:
     tensor is multiplied by lambda^degree. approx: scale only, a constant (an eps)
     was added on the way, so a cancellation holds up to it. tag: shift only, the
     identity of the added term, so that x - mean(x) is seen to cancel it.
+
+    Immutable, as a tuple: the pass makes thousands per forward, and a tuple is
+    built in C where a frozen dataclass sets each field through Python.
     """
 
     kind: int
@@ -58,18 +60,21 @@ class Facet:
     tag: int = 0
 
 
-@dataclass(frozen=True)
-class Carrier:
+_NO_EFFECTS: Mapping[int, Facet] = MappingProxyType({})
+
+
+class Carrier(NamedTuple):
     """How the parameters reach one tensor. Entities are 2 * parameter index + kind.
 
     lost: entities whose effect reaches it in no known form (every direction).
     partial: entities whose non-uniform directions reach it in no known form.
-    pure: the entities whose effect is still pure, with its facet.
+    pure: the entities whose effect is still pure, with its facet (never changed
+    once the carrier is made).
     """
 
     lost: frozenset[int] = frozenset()
     partial: frozenset[int] = frozenset()
-    pure: dict[int, Facet] = field(default_factory=dict)
+    pure: Mapping[int, Facet] = _NO_EFFECTS
 
     def depends(self, entity: int) -> bool:
         return entity in self.lost or entity in self.pure or entity in self.partial
@@ -85,7 +90,8 @@ EMPTY = Carrier()
 
 
 def nontrivial(shape: Sequence[int], dims: Iterable[int]) -> frozenset[int]:
-    return frozenset(d for d in dims if 0 <= d < len(shape) and shape[d] > 1)
+    n = len(shape)
+    return frozenset([d for d in dims if 0 <= d < n and shape[d] > 1])
 
 
 def all_dims(shape: Sequence[int]) -> frozenset[int]:
@@ -107,7 +113,21 @@ def reshape_dims(
     """Output dims sharing digits of the flat index with the given input dims."""
     if not dims:
         return frozenset()
+    key = (tuple(in_shape), tuple(out_shape), dims)
+    found = _RESHAPED.get(key)
+    if found is None:
+        if len(_RESHAPED) > 4096:  # shapes of one forward repeat layer after layer
+            _RESHAPED.clear()
+        found = _RESHAPED[key] = _reshape_dims(key[0], key[1], dims)
+    return found
 
+
+_RESHAPED: dict[tuple[tuple[int, ...], tuple[int, ...], frozenset[int]], frozenset[int]] = {}
+
+
+def _reshape_dims(
+    in_shape: Sequence[int], out_shape: Sequence[int], dims: frozenset[int]
+) -> frozenset[int]:
     def spans(shape: Sequence[int]) -> list[tuple[int, int]]:
         out = []
         inner = 1
@@ -135,7 +155,6 @@ def map_facet(f: Facet, mapping: Callable[[frozenset[int]], frozenset[int] | Non
     full = mapping(f.full)
     if full == f.full:
         return f
-    # not dataclasses.replace: this runs for every pure effect of every traced view
     return Facet(f.kind, full, f.uniform, f.degree, f.approx, f.tag)
 
 

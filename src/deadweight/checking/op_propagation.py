@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Protocol
 
@@ -304,9 +304,9 @@ def _combine_facet(
                 scaled = (fb is not None and op == "sub") or (
                     fb is not None and alpha not in (None, 1)
                 )
-                return replace(f, tag=new_tag()) if scaled else f
+                return f._replace(tag=new_tag()) if scaled else f
             # a scale plus an independent term: only an eps-like constant keeps it
-            return replace(f, approx=True) if _is_small_constant(other) else None
+            return f._replace(approx=True) if _is_small_constant(other) else None
         assert fa is not None and fb is not None
         if fa.kind != fb.kind:
             return None
@@ -329,7 +329,7 @@ def _combine_facet(
         assert f is not None
         if f.kind == SCALE:
             if op == "div" and fb is not None:
-                return replace(f, degree=-f.degree)
+                return f._replace(degree=-f.degree)
             return f
         if op == "div" and fb is not None:
             return None  # 1 / (x + s)
@@ -382,7 +382,7 @@ def propagate_binary(op: str) -> Callable[[OpCall], Carrier]:
 
 def propagate_neg(ctx: OpCall) -> Carrier:
     c = ctx.c(ctx.args[0])
-    pure = {e: (replace(f, tag=new_tag()) if f.kind == SHIFT else f) for e, f in c.pure.items()}
+    pure = {e: (f._replace(tag=new_tag()) if f.kind == SHIFT else f) for e, f in c.pure.items()}
     return Carrier(c.lost, c.partial, pure)
 
 
@@ -397,7 +397,7 @@ def propagate_power(degree_of: Callable[[OpCall], Fraction | None]) -> Callable[
         pure = {}
         for e, f in c.pure.items():
             if f.kind == SCALE:
-                pure[e] = replace(f, degree=f.degree * k)
+                pure[e] = f._replace(degree=f.degree * k)
             else:
                 lost = lost | {e}
         return finish(lost, partial, pure)
@@ -590,7 +590,7 @@ def _matmul_carrier(
             if full is None and not f.uniform:
                 lost = lost | {e}
                 continue
-            pure[e] = replace(f, full=full)
+            pure[e] = f._replace(full=full)
             continue
         # shift: (A + s) B = AB + sB varies along m and B's batch dims; A (B + s) = AB + As
         # varies along n and A's batch dims, and along m only if s does.
@@ -801,5 +801,5 @@ def propagate_embedding(ctx: OpCall) -> Carrier:
         if full is None and not f.uniform:
             lost = lost | {e}
             continue
-        pure[e] = replace(f, full=full, tag=new_tag() if f.kind == SHIFT else 0)
+        pure[e] = f._replace(full=full, tag=new_tag() if f.kind == SHIFT else 0)
     return finish(lost, partial, pure)
