@@ -68,13 +68,6 @@ class ModuleTracer:
         self._stack.clear()
 
     def _pre(self, module: nn.Module, args: tuple) -> None:
-        # The hooks' own tensor queries (shape, grad_fn, ...) are not the user's calls:
-        # they run with torch functions untraced (about half the calls a traced
-        # GPT-2 forward made were theirs).
-        with torch._C.DisableTorchFunction():
-            self._note_call(module, args)
-
-    def _note_call(self, module: nn.Module, args: tuple) -> None:
         name = self._names.get(id(module))
         self._stack.append(name)
         if name is None:
@@ -83,21 +76,29 @@ class ModuleTracer:
         if record is None:
             record = self.calls[name] = ModuleCalls(name, call_site=user_site(sys._getframe(1)))
         record.calls += 1
-        first = next(iter(tensors_in(args)), None)
-        if first is not None and first.dim() > 0:
-            record.rows += int(first.shape[0])
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if first is None:
+            first = next(iter(tensors_in(args)), None)
+            if first is None:
+                return
+        # The hooks' own tensor queries (shape, grad_fn, ...) are not the user's calls:
+        # they run with torch functions untraced (about half the calls a traced
+        # GPT-2 forward made were theirs).
+        with torch._C.DisableTorchFunction():
+            if first.dim() > 0:
+                record.rows += int(first.shape[0])
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        with torch._C.DisableTorchFunction():
-            self._note_return(module, args, output)
-
-    def _note_return(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._stack:
             self._stack.pop()
         name = self._names.get(id(module))
         if name is None:
             return
-        record = self.calls[name]
+        with torch._C.DisableTorchFunction():
+            self._note_return(self.calls[name], module, args, output)
+
+    @staticmethod
+    def _note_return(record: ModuleCalls, module: nn.Module, args: tuple, output: Any) -> None:
         outputs = [t for t in tensors_in(output) if t.is_floating_point() or t.is_complex()]
         nodes = [t.grad_fn for t in outputs if t.requires_grad and t.grad_fn is not None]
         if nodes:

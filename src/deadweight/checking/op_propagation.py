@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Protocol
 
@@ -56,20 +55,25 @@ class CarrierSource(Protocol):
     ) -> None: ...
 
 
-@dataclass
 class OpCall:
-    """One traced call, as a propagator sees it."""
+    """One traced call, as a propagator sees it. (A plain class with slots: one is
+    made for every traced call that carries an effect.)"""
 
-    tracker: CarrierSource
-    name: str
-    ordinal: int
-    args: tuple
-    kwargs: dict
-    out: Any
-    absorbed: bool = False
-    # Filled by the tracker at the first effect the call cancels: its user site, module
-    # and the rounding of its outputs
-    where: tuple[Any, Any, float] | None = None
+    __slots__ = ("absorbed", "args", "kwargs", "name", "ordinal", "out", "tracker", "where")
+
+    def __init__(
+        self, tracker: CarrierSource, name: str, ordinal: int, args: tuple, kwargs: dict, out: Any
+    ) -> None:
+        self.tracker = tracker
+        self.name = name
+        self.ordinal = ordinal
+        self.args = args
+        self.kwargs = kwargs
+        self.out = out
+        self.absorbed = False
+        # Filled by the tracker at the first effect the call cancels: its user site,
+        # module and the rounding of its outputs
+        self.where: tuple[Any, Any, float] | None = None
 
     def arg(self, i: int, key: str, default: Any = None) -> Any:
         if len(self.args) > i:

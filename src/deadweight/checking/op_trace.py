@@ -217,10 +217,11 @@ class OpTracer(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if not self._functions and op_name(func) in _METADATA:
+        name = op_name(func)
+        if not self._functions and name in _METADATA:
             return func(*args, **kwargs)  # nothing to note: no tensor, no cut, no write
         pre_roots = _grad_roots(args, kwargs) if func is _DETACH_INPLACE else None
-        if self._before_param_write is not None:
+        if self._before_param_write is not None and (_may_write(func) or "out" in kwargs):
             self._note_param_writes(func, args, kwargs)
         out = func(*args, **kwargs)
 
@@ -230,7 +231,6 @@ class OpTracer(TorchFunctionMode):
             if not _any_requires_grad(out):
                 self._functions[-1].inner_roots.extend(_grad_roots(args, kwargs))
             if self._structure is not None:
-                name = op_name(func)
                 if name in COUNTED:
                     self._structure.count(name)
                 self._functions[-1].inner_params.extend(
@@ -238,9 +238,10 @@ class OpTracer(TorchFunctionMode):
                 )
             return out
         if self._structure is not None:
-            self._structure.observe(func, op_name(func), args, kwargs, out)
+            self._structure.observe(func, name, args, kwargs, out)
 
-        taint = self._incoming_taint(args, kwargs) if (self._taint or self._py_taint) else None
+        # Taint starts at a cut event: before the first one there is none to follow.
+        taint = self._incoming_taint(args, kwargs) if self.events else None
 
         if isinstance(out, Tensor):
             if out.requires_grad:
@@ -359,7 +360,7 @@ class OpTracer(TorchFunctionMode):
         for o in outputs:
             if o.grad_fn is not None and o.grad_fn not in self.node_origins:
                 self._remember_node(o.grad_fn, name)
-        taint = self._incoming_taint(args, kwargs) if (self._taint or self._py_taint) else None
+        taint = self._incoming_taint(args, kwargs) if self.events else None
         if not any(o.requires_grad for o in outputs):
             roots = _grad_roots(args, kwargs) + call.inner_roots
             if roots and outputs:
@@ -508,6 +509,28 @@ def _kind_for_tensor_op(func: Any, out: Tensor) -> str:
     if not (out.is_floating_point() or out.is_complex()):
         return "non-differentiable"
     return "other"
+
+
+_MAY_WRITE: dict[Any, bool] = {}
+
+
+def _may_write(func: Any) -> bool:
+    """Whether calls of `func` can write to a tensor argument whatever their arguments
+    (an out= argument aside): in-place ops and operators, `F.embedding` (max_norm),
+    the `.data` setter. Remembered per callable: it is asked for every traced call."""
+    try:
+        known = _MAY_WRITE.get(func)
+    except TypeError:  # an unhashable callable
+        return True
+    if known is None:
+        name = getattr(func, "__name__", "")
+        known = _MAY_WRITE[func] = (
+            (name.endswith("_") and not name.endswith("__"))
+            or name in _INPLACE_DUNDERS
+            or func is F.embedding
+            or getattr(func, "__self__", None) is _DATA
+        )
+    return known
 
 
 def _writes_in_place(func: Any, args: tuple, kwargs: dict) -> bool:

@@ -23,9 +23,19 @@ _CONTEXTLIB = "contextlib.py"
 
 
 def _is_internal(filename: str) -> bool:
-    if filename.startswith(_DEMOS_DIR):
-        return False
-    return filename.startswith(_SKIPPED_DIRS) or filename.endswith(_CONTEXTLIB)
+    known = _INTERNAL.get(filename)
+    if known is None:
+        if len(_INTERNAL) > 65536:  # bounded, whatever generates file names
+            _INTERNAL.clear()
+        known = _INTERNAL[filename] = not filename.startswith(_DEMOS_DIR) and (
+            filename.startswith(_SKIPPED_DIRS) or filename.endswith(_CONTEXTLIB)
+        )
+    return known
+
+
+# file name -> whether its frames are torch's or deadweight's: every traced module
+# call and cut walks the stack through the same few files
+_INTERNAL: dict[str, bool] = {}
 
 
 def user_frame(start: FrameType | None = None) -> FrameType | None:
