@@ -69,7 +69,7 @@ from deadweight.checking.carrier_algebra import (
 )
 from deadweight.checking.check_stats import Cancellation, Mechanism
 from deadweight.checking.op_propagation import OpCall
-from deadweight.checking.op_table import COUNTED, EPS_OPS, PROPAGATORS
+from deadweight.checking.op_table import CARRY_THROUGH, COUNTED, EPS_OPS, PROPAGATORS
 from deadweight.checking.sites import user_site
 
 Tensor = torch.Tensor
@@ -253,6 +253,12 @@ class StructureTracker:
         outs = tensor_outputs(out)
         if not outs or not self._carries_any(args, kwargs):
             return
+        if name in CARRY_THROUGH and args and isinstance(args[0], Tensor):
+            c = self.carrier(args[0])
+            if not c.pure and c is not EMPTY and not self._carries_any(args[1:], kwargs):
+                for o in outs:
+                    self._set(o, c)
+                return
         propagate = PROPAGATORS.get(name)
         if propagate is None:
             carriers = [self.carrier(v) for v in flat_args(args, kwargs)]
