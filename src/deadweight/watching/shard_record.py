@@ -11,7 +11,7 @@ import torch
 from deadweight.distributed import ranks as distributed
 
 if TYPE_CHECKING:
-    from deadweight.watching.step_monitor import _Bucket
+    from deadweight.watching.device_buckets import _Bucket
 
 # Values of parameters up to this many elements are logged at every watched step
 # (layer scalars' trajectories; the incident's table of 32 values).
