@@ -45,13 +45,13 @@ def _loc(t: torch.Tensor) -> torch.Tensor:
 GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
-def _own_grad(p: torch.Tensor) -> torch.Tensor | None:
+def own_grad(p: torch.Tensor) -> torch.Tensor | None:
     # megatron-core's DDP keeps gradients in `main_grad` (`.grad` is None until its
     # optimizer copies them over for the step)
     return wrappers.gradient(p)
 
 
-class _Bucket:
+class DeviceBucket:
     """The device-side state for the monitored parameters that live on one device.
 
     With `shards` (FSDP2) every number is first measured on this rank's slices and
@@ -65,7 +65,7 @@ class _Bucket:
         params: list[torch.Tensor],
         small: int,
         shards: distributed.Shards | None = None,
-        grad_of: GradOf = _own_grad,
+        grad_of: GradOf = own_grad,
     ) -> None:
         self.device = device
         self.grad_of = grad_of

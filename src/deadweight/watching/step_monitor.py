@@ -37,7 +37,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from deadweight.distributed import ranks as distributed
-from deadweight.watching.device_buckets import RING, AmpStep, GradOf, _Bucket, _own_grad
+from deadweight.watching.device_buckets import RING, AmpStep, DeviceBucket, GradOf, own_grad
 from deadweight.watching.shard_record import VALUES_MAX
 
 Emit = Callable[[dict[str, Any]], None]
@@ -143,7 +143,7 @@ class StepMonitor:
         # that steps with gradients kept elsewhere (DeepSpeed's, through its view in
         # watching/deepspeed_partitions.py), what the optimizer's `grad_of` says.
         grad_of = getattr(optimizer, "grad_of", None)
-        self.grad_of: GradOf = grad_of if callable(grad_of) else _own_grad
+        self.grad_of: GradOf = grad_of if callable(grad_of) else own_grad
         self.config = config
         self.emit = emit
         # A monitor that replaces one of the same optimizer (parameters were added)
@@ -190,7 +190,7 @@ class StepMonitor:
         for i, p in enumerate(params):
             by_device.setdefault(p.device, []).append(i)
         self.buckets = [
-            _Bucket(device, pos, [params[i] for i in pos], config.small, shards, self.grad_of)
+            DeviceBucket(device, pos, [params[i] for i in pos], config.small, shards, self.grad_of)
             for device, pos in by_device.items()
         ]
         self._present: list[int] = []
