@@ -21,6 +21,8 @@ AmpStep = tuple[torch.Tensor, "torch.Tensor | None"]
 # Steps whose per-step update sizes are kept on the device, to compare the updates
 # right after an optimizer-state reset with those right before it.
 RING = 64
+# The small parameters' numbers in a record, in the order `measure_after` packs them.
+SMALL_RECORD = ("path", "rpos", "rneg", "sens", "gsum", "zero_upd", "drift", "last_un")
 
 
 def _views(buffer: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
@@ -253,24 +255,8 @@ class DeviceBucket:
         params = self.params if self.shards is None else [_loc(p) for p in self.params]
         pnorm = torch.stack(torch._foreach_norm(params)).double()
         copied = sorted(self.copies)
-        if copied:
-            # In place on the copies: no second buffer of the same size.
-            deltas = [self.copies[i] for i in copied]
-            torch._foreach_sub_(deltas, [params[i] for i in copied])
-            unorm = torch.stack(torch._foreach_norm(deltas)).double()
-        else:
-            unorm = torch.zeros(0, dtype=torch.float64, device=self.device)
-        self.copies = {}
-        if self.small:
-            post = self._read_small("post")
-            drift = self._segsum((post - self.theta0) ** 2).sqrt()
-            smalls = [
-                self.path, self.rpos, self.rneg, self.sens, self.gsum, self.zero_upd, drift,
-                self.last_un,
-            ]  # fmt: skip
-            values = post.index_select(0, self._tiny_index)
-        else:
-            smalls, values = [], torch.zeros(0, dtype=torch.float64, device=self.device)
+        unorm = self._update_norms(copied, params)
+        smalls, values = self._small_record()
         packed = torch.cat(
             [
                 self.gsq,
@@ -287,6 +273,39 @@ class DeviceBucket:
         else:
             flat = packed.tolist()  # the one CPU-GPU sync of this step
         self.gsq.zero_()
+        out, same_norm = self._unpack(flat, copied)
+        self._update_moved(out["drift"], same_norm)
+        out["moved"] = list(self.moved)
+        return out
+
+    def _update_norms(self, copied: list[int], params: list[torch.Tensor]) -> torch.Tensor:
+        """The update norms of the large parameters `copy_before` copied."""
+        if copied:
+            # In place on the copies: no second buffer of the same size.
+            deltas = [self.copies[i] for i in copied]
+            torch._foreach_sub_(deltas, [params[i] for i in copied])
+            unorm = torch.stack(torch._foreach_norm(deltas)).double()
+        else:
+            unorm = torch.zeros(0, dtype=torch.float64, device=self.device)
+        self.copies = {}
+        return unorm
+
+    def _small_record(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The small parameters' accumulators and drift since the start (in the order of
+        `SMALL_RECORD`), and the values of the tiny ones."""
+        if not self.small:
+            return [], torch.zeros(0, dtype=torch.float64, device=self.device)
+        post = self._read_small("post")
+        drift = self._segsum((post - self.theta0) ** 2).sqrt()
+        smalls = [
+            self.path, self.rpos, self.rneg, self.sens, self.gsum, self.zero_upd, drift,
+            self.last_un,
+        ]  # fmt: skip
+        return smalls, post.index_select(0, self._tiny_index)
+
+    def _unpack(self, flat: list[float], copied: list[int]) -> tuple[dict[str, Any], list[float]]:
+        """The record's numbers by name, read back from what `measure_after` packed; and
+        per parameter whether its norm is bitwise the one it had at the start."""
         n, ns = len(self.params), len(self.small)
         out: dict[str, Any] = {}
         cursor = 0
@@ -302,22 +321,25 @@ class DeviceBucket:
         out["pnorm"] = take(n)
         same_norm = take(n)
         out["unorm"] = dict(zip(copied, take(len(copied)), strict=True))
-        for key in ("path", "rpos", "rneg", "sens", "gsum", "zero_upd", "drift", "last_un"):
+        for key in SMALL_RECORD:
             out[key] = take(ns) if ns else []
         for k, i in enumerate(self.small):  # small parameters: this step's exact update
             if math.isfinite(out["last_un"][k]):
                 out["unorm"][i] = out["last_un"][k]
         out["values"] = take(len(flat) - cursor)
-        # Bitwise-unchanged since the start: exact for small parameters (their start
-        # values are kept); for large ones an unchanged norm is necessary, and the
-        # fingerprint of the raw bits decides.
+        return out, same_norm
+
+    def _update_moved(self, drift: list[float], same_norm: list[float]) -> None:
+        """Bitwise-unchanged since the start: exact for small parameters (their start
+        values are kept); for large ones an unchanged norm is necessary, and the
+        fingerprint of the raw bits decides."""
         small_pos = {i: k for k, i in enumerate(self.small)}
         candidates = []
-        for i in range(n):
+        for i in range(len(self.params)):
             if self.moved[i]:
                 continue
             if i in small_pos:
-                self.moved[i] = out["drift"][small_pos[i]] != 0
+                self.moved[i] = drift[small_pos[i]] != 0
             elif not same_norm[i]:
                 self.moved[i] = True
             else:
@@ -333,8 +355,6 @@ class DeviceBucket:
             changed = changed_here.bool().tolist()
             for i, c in zip(candidates, changed, strict=True):
                 self.moved[i] = bool(c)
-        out["moved"] = list(self.moved)
-        return out
 
     @torch.no_grad()
     def ring_mean(self, steps: Sequence[int]) -> torch.Tensor:
