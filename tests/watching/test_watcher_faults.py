@@ -18,7 +18,7 @@ from torch import nn
 import deadweight
 from deadweight.demos import fused_rmsnorm
 from deadweight.report.text import render_plain
-from deadweight.watching import device_buckets, event_log, step_monitor
+from deadweight.watching import device_buckets, event_log, state_resets, step_monitor
 from deadweight.watching.event_log import read_log
 
 STEPS = 60  # DW301 needs 50 optimizer steps
@@ -92,8 +92,8 @@ FAULTS = [
     (step_monitor.StepMonitor, "_gradients", "gradients", True),
     (device_buckets.DeviceBucket, "grads_before", "gradients", True),
     (step_monitor.StepMonitor, "_learning_rates", "learning-rate", True),
-    (step_monitor.StepMonitor, "_resets", "resets", True),
-    (step_monitor.StepMonitor, "_reset_effects", "resets", True),
+    (state_resets.StateResets, "check", "resets", True),
+    (state_resets.StateResets, "effects", "resets", True),
     (device_buckets.DeviceBucket, "small_before", "small-parameters", True),
     (device_buckets.DeviceBucket, "small_after", "small-parameters", True),
     (device_buckets.DeviceBucket, "copy_before", "update-norms", True),

@@ -17,6 +17,11 @@ Two cadences:
   parameter bytes, or all of them with `full=True`), bitwise-unchanged checks, and
   one host transfer of everything accumulated since the last watched step.
 
+The statistics themselves accumulate in one `DeviceBucket` per device
+(`device_buckets.py`); optimizer-state resets and their effects are `StateResets`'
+(`state_resets.py`); this class runs each step's cheap checks, decides which steps
+are watched, and turns each watched step into a `step` event.
+
 Each detector runs under a guard: an exception disables that detector, is reported
 as an `error` event, and never reaches the training loop.
 
@@ -34,11 +39,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from deadweight.distributed import ranks as distributed
 from deadweight.watching.device_buckets import RING, AmpStep, DeviceBucket, GradOf, own_grad
+from deadweight.watching.optimizer_settings import host_float, predicted_reset_amplification
 from deadweight.watching.shard_record import VALUES_MAX
+from deadweight.watching.state_resets import StateResets
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -72,44 +78,14 @@ class MonitorConfig:
         return asdict(self)
 
 
-# Parameters that had optimizer state under any monitored optimizer: a new optimizer
-# over them (zero-code mode sees every optimizer a script creates) starts their
-# moments from zero again, which is a reset.
-# (Keyed by identity: a tensor's == is elementwise, so a plain WeakKeyDictionary breaks.)
-_HAD_STATE: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
 def _g7(value: float) -> float:
     """Seven significant digits: plenty for a norm, and ~40% less log than `repr`."""
     return float(f"{value:.7g}") if math.isfinite(value) else value
 
 
-def _host_float(value: Any) -> float | None:
-    """A learning rate or step counter as a float, without a device sync."""
-    if isinstance(value, torch.Tensor):
-        return float(value) if value.device.type == "cpu" else None
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
-
-
 def _signature(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     """Parameters per group: changes when `add_param_group` adds some."""
     return tuple(len(g["params"]) for g in optimizer.param_groups)
-
-
-def _predicted_reset_amplification(group: dict[str, Any]) -> float | None:
-    # Right after a reset v ~ (1 - b2) g^2 instead of ~ g^2: noise-driven steps grow by
-    # sqrt(1 / (1 - b2)) (the incident's sqrt(20) = 4.47 for b2 = 0.95).
-    betas = group.get("betas")
-    if betas is not None:
-        b2 = _host_float(betas[1])
-        return math.sqrt(1 / (1 - b2)) if b2 is not None and b2 < 1 else None
-    alpha = group.get("alpha")  # RMSprop's smoothing constant plays b2's part
-    if alpha is not None and "eps" in group:
-        a = _host_float(alpha)
-        return math.sqrt(1 / (1 - a)) if a is not None and a < 1 else None
-    return None
 
 
 # A skip event names at most this many parameters with non-finite gradients (and
@@ -180,10 +156,7 @@ class StepMonitor:
         self.lr0_steps = [0] * len(params)
         self.window = 0  # steps since the last record
         self.lr_sum = [0.0] * len(optimizer.param_groups)
-        self.had_state = [bool(_HAD_STATE.get(p)) for p in params]
         self.reported_bad: set[tuple[int, str]] = set()
-        self.pending_resets: list[dict[str, Any]] = []
-        self.burst_until = 0
         self.rotation = 0
         self.small_steps = 0
         by_device: dict[torch.device, list[int]] = {}
@@ -193,6 +166,7 @@ class StepMonitor:
             DeviceBucket(device, pos, [params[i] for i in pos], config.small, shards, self.grad_of)
             for device, pos in by_device.items()
         ]
+        self.resets = StateResets(self)
         self._present: list[int] = []
         self._watched = False
         self._began = False  # before_step ran for the step in progress
@@ -211,11 +185,11 @@ class StepMonitor:
         for group in self.optimizer.param_groups:
             groups.append(
                 {
-                    "lr": _host_float(group.get("lr")),
-                    "weight_decay": _host_float(group.get("weight_decay", 0.0)),
-                    "betas": [_host_float(b) for b in group["betas"]] if "betas" in group else None,
-                    "eps": _host_float(group.get("eps")),
-                    "predicted_reset_amplification": _predicted_reset_amplification(group),
+                    "lr": host_float(group.get("lr")),
+                    "weight_decay": host_float(group.get("weight_decay", 0.0)),
+                    "betas": [host_float(b) for b in group["betas"]] if "betas" in group else None,
+                    "eps": host_float(group.get("eps")),
+                    "predicted_reset_amplification": predicted_reset_amplification(group),
                 }
             )
         small_order = [b.positions[i] for b in self.buckets for i in b.small]
@@ -272,13 +246,14 @@ class StepMonitor:
         self._watched = (
             self.step == self.start_step + 1  # the baseline record
             or self.step % cfg.every == 0
-            or self.step <= self.burst_until
+            or self.step <= self.resets.burst_until
         )
         self._amp = self._guarded("amp", self._amp_step)
         self._guarded("scaler", self._count_fused_skip)
         self._guarded("gradients", self._gradients)
         self._guarded("learning-rate", self._learning_rates)
-        self._guarded("resets", self._resets)
+        if self._guarded("resets", self.resets.check):
+            self._watched = True  # every step of the burst, in full
         self._guarded("small-parameters", self._small_before)
         if self._watched:
             self._guarded("update-norms", self._copy_before)
@@ -289,7 +264,7 @@ class StepMonitor:
             return
         self._began = False
         self._guarded("small-parameters", self._small_after)
-        self._guarded("resets", self._reset_effects)
+        self._guarded("resets", self.resets.effects)
         if self._watched:
             self._guarded("scaler", self._report_fused_skips)
             self._guarded("record", self._record)
@@ -384,7 +359,7 @@ class StepMonitor:
     def _learning_rates(self) -> None:
         zero_groups = set()
         for g_index, group in enumerate(self.optimizer.param_groups):
-            lr = _host_float(group.get("lr"))
+            lr = host_float(group.get("lr"))
             if lr is not None:
                 self.lr_sum[g_index] += lr
                 if lr == 0:
@@ -393,95 +368,6 @@ class StepMonitor:
             for i in self._present:
                 if self.groups[i] in zero_groups:
                     self.lr0_steps[i] += 1
-
-    def _resets(self) -> None:
-        state = self.optimizer.state
-        fresh = []
-        for i in self.stateful_positions:
-            p = self.params[i]
-            has = bool(state.get(p))
-            if has:
-                if not self.had_state[i]:
-                    self.had_state[i] = True
-                    _HAD_STATE[p] = True
-            elif self.had_state[i] and self.grad_of(p) is not None:
-                fresh.append(i)
-        if not fresh:
-            return
-        groups = sorted({g for i in fresh if (g := self.groups[i]) is not None})
-        predicted = [_predicted_reset_amplification(self.optimizer.param_groups[g]) for g in groups]
-        event = {
-            "event": "reset",
-            "optimizer": self.index,
-            "step": self.step,
-            "params": fresh,
-            "predicted_amplification": max((p for p in predicted if p is not None), default=None),
-            "cause": "a new optimizer took over parameters another one had trained"
-            if self.step == self.start_step + 1
-            else "the optimizer's state was emptied (cleared, or loaded without state)",
-        }
-        self.emit(event)
-        # Measure every step of the burst in full, and compare the update sizes of the
-        # small parameters right after the reset with those right before it.
-        self.burst_until = self.step + self.config.burst - 1
-        before = list(range(max(1, self.step - RING + 1), self.step))
-        self.pending_resets.append(
-            {
-                "step": self.step,
-                "before_steps": len(before),
-                "before": [
-                    b.ring_mean(before) if before and b.small else None for b in self.buckets
-                ],
-            }
-        )
-        self._watched = True
-
-    def _reset_effects(self) -> None:
-        done = [r for r in self.pending_resets if self.step >= r["step"] + self.config.burst - 1]
-        for reset in done:
-            self.pending_resets.remove(reset)
-            after = list(range(reset["step"], reset["step"] + self.config.burst))
-            small, before, first, mean_after = [], [], [], []
-            for bucket, b_before in zip(self.buckets, reset["before"], strict=True):
-                if not bucket.small:
-                    continue
-                rows = torch.stack(
-                    [
-                        b_before
-                        if b_before is not None
-                        else torch.full_like(bucket.path, math.nan),
-                        bucket.ring[reset["step"] % RING],
-                        bucket.ring_mean(after),
-                    ]
-                )
-                if self.shards is not None and self.shards.ranks is not None:
-                    # Norms of the slices -> norms of the parameters (exact per step).
-                    world = self.shards.ranks.world_size
-                    w = torch.tensor(
-                        [distributed.share_of_sum(bucket.params[i], world) for i in bucket.small],
-                        dtype=torch.float64,
-                    )
-                    rows = distributed.all_reduce(
-                        self.shards.ranks, rows.cpu() ** 2 * w, "sum", "watch: reset effects"
-                    ).sqrt()
-                rows_list = rows.tolist()
-                small += [bucket.positions[i] for i in bucket.small]
-                before += rows_list[0]
-                first += rows_list[1]
-                mean_after += rows_list[2]
-            self.emit(
-                {
-                    "event": "reset_effect",
-                    "optimizer": self.index,
-                    "step": reset["step"],
-                    "before_steps": reset["before_steps"],
-                    "after_steps": len(after),
-                    "params": small,
-                    "before": before,
-                    "first": first,
-                    "after": mean_after,
-                }
-            )
 
     def _small_before(self) -> None:
         for bucket in self.buckets:
@@ -570,7 +456,7 @@ class StepMonitor:
             for key in small_stats:
                 small_stats[key] += m[key]
             values += m["values"]
-        lrs = [_host_float(g.get("lr")) for g in self.optimizer.param_groups]
+        lrs = [host_float(g.get("lr")) for g in self.optimizer.param_groups]
         self.emit(
             {
                 "event": "step",
