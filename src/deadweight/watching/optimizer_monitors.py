@@ -95,23 +95,11 @@ class OptimizerMonitors:
         shards = distributed.Shards(self.job_ranks()) if sharded else None
         index = self.next_index
         self.next_index += 1
-        positions: dict[int, tuple[int, int]] = {}
-        for g, group in enumerate(optimizer.param_groups):
-            for j, p in enumerate(group["params"]):
-                positions.setdefault(id(p), (g, j))
         for name, p in passengers:
             self.names.setdefault(id(p), name)
-
-        def name_of(p: torch.Tensor) -> str:
-            name = self.names.get(id(p))
-            if name is None:
-                g, j = positions.get(id(p), (0, 0))
-                name = owners.fallback_name(index, g, j, p)
-            return name
-
         emit = self.events.emit
         monitor = StepMonitor(
-            index, optimizer, name_of, emit, self.config, passengers, start_step, shards,
+            index, optimizer, self.names, emit, self.config, passengers, start_step, shards,
             main_copies=self.main_copies,
         )  # fmt: skip
         self.monitors[id(optimizer)] = monitor

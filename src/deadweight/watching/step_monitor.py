@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from deadweight import owners
 from deadweight.distributed import ranks as distributed
 from deadweight.watching.device_buckets import RING, AmpStep, DeviceBucket, GradOf, own_grad
 from deadweight.watching.optimizer_settings import host_float, predicted_reset_amplification
@@ -100,7 +101,7 @@ class StepMonitor:
         self,
         index: int,
         optimizer: torch.optim.Optimizer,
-        name_of: Callable[[torch.Tensor], str],
+        names: Mapping[int, str],
         emit: Emit,
         config: MonitorConfig,
         passengers: Sequence[tuple[str, torch.Tensor]] = (),
@@ -108,7 +109,9 @@ class StepMonitor:
         shards: distributed.Shards | None = None,
         main_copies: Collection[int] = (),
     ) -> None:
-        """`shards`: the parameters are DTensors (FSDP2); every rank must then watch
+        """`names`: id(parameter) -> its name; a parameter without one is named after
+        its place in the optimizer (`owners.fallback_name`).
+        `shards`: the parameters are DTensors (FSDP2); every rank must then watch
         the same optimizer, since each watched step combines the ranks' slices.
         `main_copies`: ids of the optimizer's tensors that are main copies of
         parameters (`wrappers.main_copy`): watched although they need no gradient."""
@@ -131,13 +134,18 @@ class StepMonitor:
         self.disabled: dict[str, str] = {}
         params: list[torch.Tensor] = []
         groups: list[int | None] = []
+        self.names: list[str] = []
         seen: set[int] = set()
         for g_index, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
+            for j, p in enumerate(group["params"]):
                 if id(p) not in seen and (p.requires_grad or id(p) in main_copies):
                     seen.add(id(p))
                     params.append(p)
                     groups.append(g_index)
+                    name = names.get(id(p))
+                    self.names.append(
+                        name if name is not None else owners.fallback_name(index, g_index, j, p)
+                    )
         # Trainable parameters of the watched models that this optimizer (or any other
         # watched one) does not hold: checked for movement only.
         for _, p in passengers:
@@ -145,11 +153,14 @@ class StepMonitor:
                 seen.add(id(p))
                 params.append(p)
                 groups.append(None)
+                name = names.get(id(p))  # (a passenger always has one)
+                self.names.append(
+                    name if name is not None else owners.fallback_name(index, 0, 0, p)
+                )
         self.params = params
         self.groups = groups
         self.passengers = list(passengers)
         self.signature = _signature(optimizer)
-        self.names = [name_of(p) for p in params]
         self.stateful_positions = [i for i, g in enumerate(groups) if g is not None]
         self.present_count = [0] * len(params)
         self.present_window = [0] * len(params)
