@@ -190,8 +190,7 @@ class GlobalWatch(Watch):
         if view is not None and id(view) not in self._monitors:
             self._open_log()
             self._name_from_models(list(view.owners.values()))
-            self._optimizers.adopt(view)
-            self._optimizers.build_or_none(view)
+            self._optimizers.add(view)
         return view
 
     def _name_from_models(self, params: list[torch.Tensor]) -> None:

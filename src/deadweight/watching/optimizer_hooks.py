@@ -33,12 +33,21 @@ class OptimizerHooks:
         # a run whose optimizer never stepped while backward ran is reported (DW309).
         self.backward_counts: dict[int, int] = {}
 
-    def on_steps(self, optimizer: torch.optim.Optimizer, pre: StepHook, post: StepHook) -> None:
-        """Call `pre` and `post` around every `optimizer.step()`."""
+    def install(
+        self,
+        optimizer: torch.optim.Optimizer,
+        pre: StepHook,
+        post: StepHook,
+        main_copies: Mapping[int, torch.Tensor],
+    ) -> None:
+        """Call `pre` and `post` around every `optimizer.step()`, and count the
+        backward passes that reach its parameters (`main_copies`: id(main copy) -> its
+        parameter, which backward reaches instead)."""
         self.handles.append(optimizer.register_step_pre_hook(pre))
         self.handles.append(optimizer.register_step_post_hook(post))
+        self._count_backwards(optimizer, main_copies)
 
-    def count_backwards(
+    def _count_backwards(
         self, optimizer: torch.optim.Optimizer, main_copies: Mapping[int, torch.Tensor]
     ) -> None:
         # A main copy never takes part in backward: its parameter is counted instead.

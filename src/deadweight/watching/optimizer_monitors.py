@@ -58,6 +58,15 @@ class OptimizerMonitors:
         # id(main copy) -> its parameter, for megatron-core's mixed-precision optimizers
         self.main_copies: dict[int, torch.Tensor] = wrappers.main_copies(self.models)
 
+    def add(
+        self,
+        optimizer: torch.optim.Optimizer,
+        passengers: Sequence[tuple[str, torch.Tensor]] = (),
+    ) -> StepMonitor | None:
+        """Watch one more optimizer: its monitor, or None when it cannot be built."""
+        self.adopt(optimizer)
+        return self.build_or_none(optimizer, passengers)
+
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """A DeepSpeed ZeRO view: name its tensors after the user's parameters, give
         DeepSpeed its step back when the watch closes, and say what it cannot see."""

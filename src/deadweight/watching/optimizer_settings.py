@@ -31,3 +31,14 @@ def predicted_reset_amplification(group: dict[str, Any]) -> float | None:
         a = host_float(alpha)
         return math.sqrt(1 / (1 - a)) if a is not None and a < 1 else None
     return None
+
+
+def group_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's settings as the `optimizer` event records them."""
+    return {
+        "lr": host_float(group.get("lr")),
+        "weight_decay": host_float(group.get("weight_decay", 0.0)),
+        "betas": [host_float(b) for b in group["betas"]] if "betas" in group else None,
+        "eps": host_float(group.get("eps")),
+        "predicted_reset_amplification": predicted_reset_amplification(group),
+    }

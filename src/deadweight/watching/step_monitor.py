@@ -43,7 +43,7 @@ import torch
 from deadweight import owners
 from deadweight.distributed import ranks as distributed
 from deadweight.watching.device_buckets import RING, AmpStep, DeviceBucket, GradOf, own_grad
-from deadweight.watching.optimizer_settings import host_float, predicted_reset_amplification
+from deadweight.watching.optimizer_settings import group_settings, host_float
 from deadweight.watching.shard_record import VALUES_MAX
 from deadweight.watching.state_resets import StateResets
 
@@ -192,17 +192,7 @@ class StepMonitor:
     # -- the event that introduces this optimizer ----------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        groups = []
-        for group in self.optimizer.param_groups:
-            groups.append(
-                {
-                    "lr": host_float(group.get("lr")),
-                    "weight_decay": host_float(group.get("weight_decay", 0.0)),
-                    "betas": [host_float(b) for b in group["betas"]] if "betas" in group else None,
-                    "eps": host_float(group.get("eps")),
-                    "predicted_reset_amplification": predicted_reset_amplification(group),
-                }
-            )
+        groups = [group_settings(group) for group in self.optimizer.param_groups]
         small_order = [b.positions[i] for b in self.buckets for i in b.small]
         return {
             "event": "optimizer",

@@ -193,12 +193,10 @@ class Watch:
             raise RuntimeError("this watch is closed; start a new one with deadweight.watch()")
         if id(optimizer) in self._monitors or optimizer in self._optimizers.unwatched:
             return
-        self._optimizers.adopt(optimizer)
-        monitor = self._optimizers.build_or_none(optimizer, passengers)
-        if monitor is None:
-            return
-        self._hooks.on_steps(optimizer, self._pre_hook, self._post_hook)
-        self._hooks.count_backwards(optimizer, self._optimizers.main_copies)
+        if self._optimizers.add(optimizer, passengers) is not None:
+            self._hooks.install(
+                optimizer, self._pre_hook, self._post_hook, self._optimizers.main_copies
+            )
 
     @property
     def backwards(self) -> int:
