@@ -89,6 +89,42 @@ def _signature(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     return tuple(len(g["params"]) for g in optimizer.param_groups)
 
 
+def _watched_params(
+    index: int,
+    optimizer: torch.optim.Optimizer,
+    names: Mapping[int, str],
+    passengers: Sequence[tuple[str, torch.Tensor]],
+    main_copies: Collection[int],
+) -> tuple[list[torch.Tensor], list[int | None], list[str]]:
+    """The tensors a monitor watches, each once: the optimizer's trainable parameters
+    (and main copies), then the passengers it does not hold; with each one's group
+    (None for a passenger) and name."""
+    params: list[torch.Tensor] = []
+    groups: list[int | None] = []
+    named: list[str] = []
+    seen: set[int] = set()
+    for g_index, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if id(p) not in seen and (p.requires_grad or id(p) in main_copies):
+                seen.add(id(p))
+                params.append(p)
+                groups.append(g_index)
+                name = names.get(id(p))
+                named.append(
+                    name if name is not None else owners.fallback_name(index, g_index, j, p)
+                )
+    # Trainable parameters of the watched models that this optimizer (or any other
+    # watched one) does not hold: checked for movement only.
+    for _, p in passengers:
+        if id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+            groups.append(None)
+            name = names.get(id(p))  # (a passenger always has one)
+            named.append(name if name is not None else owners.fallback_name(index, 0, 0, p))
+    return params, groups, named
+
+
 # A skip event names at most this many parameters with non-finite gradients (and
 # counts them all): a broken fp16 run skips every step.
 MAX_SKIP_NAMES = 64
@@ -132,31 +168,9 @@ class StepMonitor:
         self.calls_finished = 0  # after_step calls: a GradScaler skip leaves it unchanged
         self.scaler_skips = 0  # skipped_by_scaler calls, so two wrappers count a skip once
         self.disabled: dict[str, str] = {}
-        params: list[torch.Tensor] = []
-        groups: list[int | None] = []
-        self.names: list[str] = []
-        seen: set[int] = set()
-        for g_index, group in enumerate(optimizer.param_groups):
-            for j, p in enumerate(group["params"]):
-                if id(p) not in seen and (p.requires_grad or id(p) in main_copies):
-                    seen.add(id(p))
-                    params.append(p)
-                    groups.append(g_index)
-                    name = names.get(id(p))
-                    self.names.append(
-                        name if name is not None else owners.fallback_name(index, g_index, j, p)
-                    )
-        # Trainable parameters of the watched models that this optimizer (or any other
-        # watched one) does not hold: checked for movement only.
-        for _, p in passengers:
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-                groups.append(None)
-                name = names.get(id(p))  # (a passenger always has one)
-                self.names.append(
-                    name if name is not None else owners.fallback_name(index, 0, 0, p)
-                )
+        params, groups, self.names = _watched_params(
+            index, optimizer, names, passengers, main_copies
+        )
         self.params = params
         self.groups = groups
         self.passengers = list(passengers)
