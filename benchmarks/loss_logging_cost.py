@@ -26,7 +26,6 @@ from torch import nn
 
 import deadweight
 from deadweight.watching.global_watch import GlobalWatch, watch_all
-from deadweight.watching.watcher import Watch
 
 EVERY = 20  # watch's default cadence
 
@@ -47,12 +46,13 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], torch.Tensor
 
 
 class Timed:
-    """Wall time spent inside some of a watch's methods (wrapped on the instance)."""
+    """Wall time spent inside some methods of a watch and its parts (wrapped on the
+    instances)."""
 
-    def __init__(self, watch: Watch, names: list[str]) -> None:
+    def __init__(self, methods: list[tuple[Any, str]]) -> None:
         self.ns = 0
-        for name in names:
-            original = getattr(watch, name)
+        for owner, name in methods:
+            original = getattr(owner, name)
 
             def timed(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
                 start = time.perf_counter_ns()
@@ -61,7 +61,7 @@ class Timed:
                 finally:
                     self.ns += time.perf_counter_ns() - start
 
-            setattr(watch, name, timed)
+            setattr(owner, name, timed)
 
 
 def block(opt: torch.optim.Optimizer, fb: Callable[[], torch.Tensor], steps: int,
@@ -91,7 +91,7 @@ def wrapper_call_cost(pairs: int = 5, calls: int = 4000) -> float:
     for _ in range(pairs):
         bare = run()
         with watch_all(every=EVERY) as g:
-            g._loss_off = True  # the wrapper's frame and checks only
+            g._losses.off = True  # the wrapper's frame and checks only
             wrapped = run()
         diffs.append(wrapped - bare)
     return max(0.0, statistics.median(diffs)) * 1e6
@@ -115,7 +115,7 @@ def main() -> None:
         with deadweight.watch(model, opt, every=EVERY) as w:
             without = block(opt, fb, args.block, None)
         with deadweight.watch(model, opt, every=EVERY) as w:
-            timer = Timed(w, ["log_loss", "_flush_losses"])
+            timer = Timed([(w, "log_loss"), (w._losses, "flush")])
             with_loss = block(opt, fb, args.block, w.log_loss)
             inside_log_ns += timer.ns
             logged_steps += args.block
@@ -125,7 +125,7 @@ def main() -> None:
             without = block(opt, fb, args.block, None)
         with watch_all(every=EVERY) as g:
             assert isinstance(g, GlobalWatch)
-            timer = Timed(g, ["_record_loss", "_flush_losses"])
+            timer = Timed([(g._losses, "record"), (g._losses, "flush")])
             with_loss = block(opt, fb, args.block, None)
             inside_wrapper_ns += timer.ns
             wrapped_steps += args.block

@@ -18,7 +18,7 @@ from torch import nn
 import deadweight
 from deadweight.demos import fused_rmsnorm
 from deadweight.report.text import render_plain
-from deadweight.watching import event_log, step_monitor
+from deadweight.watching import device_buckets, event_log, state_resets, step_monitor
 from deadweight.watching.event_log import read_log
 
 STEPS = 60  # DW301 needs 50 optimizer steps
@@ -90,15 +90,15 @@ def test_healthy_watch_finds_the_seed_and_reports_no_errors():
 # (class, method, detector named in the report, whether DW301 can still be judged)
 FAULTS = [
     (step_monitor.StepMonitor, "_gradients", "gradients", True),
-    (step_monitor._Bucket, "grads_before", "gradients", True),
+    (device_buckets.DeviceBucket, "grads_before", "gradients", True),
     (step_monitor.StepMonitor, "_learning_rates", "learning-rate", True),
-    (step_monitor.StepMonitor, "_resets", "resets", True),
-    (step_monitor.StepMonitor, "_reset_effects", "resets", True),
-    (step_monitor._Bucket, "small_before", "small-parameters", True),
-    (step_monitor._Bucket, "small_after", "small-parameters", True),
-    (step_monitor._Bucket, "copy_before", "update-norms", True),
+    (state_resets.StateResets, "check", "resets", True),
+    (state_resets.StateResets, "effects", "resets", True),
+    (device_buckets.DeviceBucket, "small_before", "small-parameters", True),
+    (device_buckets.DeviceBucket, "small_after", "small-parameters", True),
+    (device_buckets.DeviceBucket, "copy_before", "update-norms", True),
     # Without its records nothing says whether a parameter moved: DW301 cannot be judged.
-    (step_monitor._Bucket, "measure_after", "record", False),
+    (device_buckets.DeviceBucket, "measure_after", "record", False),
 ]
 
 

@@ -14,8 +14,8 @@ import deadweight
 from deadweight.demos import fused_rmsnorm
 from deadweight.watching.event_log import LOG_SCHEMA_VERSION, read_log
 from deadweight.watching.global_watch import watch_all
+from deadweight.watching.loss_log import MAX_PENDING_LOSSES
 from deadweight.watching.watch_stats import stats_from_events
-from deadweight.watching.watcher import MAX_PENDING_LOSSES
 
 
 def _train(setup: fused_rmsnorm.Setup, steps: int, log_loss: Any = None, *, before: bool = False

@@ -14,8 +14,9 @@ import torch
 from deadweight import owners, wrappers
 from deadweight.watching import deepspeed_partitions
 from deadweight.watching.first_step_check import FirstStep
+from deadweight.watching.optimizer_hooks import begin_step
 from deadweight.watching.step_monitor import MonitorConfig, StepMonitor
-from deadweight.watching.watcher import Watch, _begin_step, _stepping, exit_reason
+from deadweight.watching.watcher import Watch, _stepping, exit_reason
 
 
 class GlobalWatch(Watch):
@@ -42,15 +43,15 @@ class GlobalWatch(Watch):
         # The unscaled loss behind the tensor a GradScaler returned last, so the loss
         # seen at backward is the script's own (scale() output, detached loss).
         self._scaled: tuple[weakref.ref[torch.Tensor], torch.Tensor] | None = None
-        self._handles.append(register_optimizer_step_pre_hook(self._global_pre))
-        self._handles.append(register_optimizer_step_post_hook(self._global_post))
+        self._hooks.handles.append(register_optimizer_step_pre_hook(self._global_pre))
+        self._hooks.handles.append(register_optimizer_step_post_hook(self._global_post))
         self._tensor_backwards = 0  # scalar `.backward()` calls, when the loss is recorded
         self._record_losses = loss
         self._checking = False  # inside the step-0 check, whose backward is deadweight's
         self._first: FirstStep | None = None
         if check:
             self._first = FirstStep()
-            self._restore.append(self._first.close)
+            self._hooks.undo.append(self._first.close)
         if loss:
             self._patch_scale()
         # Always: the backward passes it counts tell `deadweight run` a process that
@@ -68,7 +69,7 @@ class GlobalWatch(Watch):
             not self._closed
             and isinstance(optimizer, torch.optim.Optimizer)
             and id(optimizer) not in self._monitors
-            and optimizer not in self._unwatched
+            and optimizer not in self._optimizers.unwatched
         ):
             self._discover(optimizer)
         return super().scaler_before(optimizer)
@@ -101,12 +102,12 @@ class GlobalWatch(Watch):
             if torch.Tensor.backward is backward:  # not if someone wrapped it after us
                 torch.Tensor.backward = original  # type: ignore[method-assign]
 
-        self._restore.append(restore)
+        self._hooks.undo.append(restore)
 
     def _loss_from_backward(
         self, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if self._closed or self._loss_off or not self._record_losses:
+        if self._closed or self._losses.off or not self._record_losses:
             return
         try:
             if not _is_loss(tensor, args, kwargs):
@@ -115,9 +116,9 @@ class GlobalWatch(Watch):
             if scaled is not None and scaled[0]() is tensor:
                 tensor = scaled[1]
             # backward runs before optimizer.step(), or inside its closure.
-            self._record_loss(tensor, self._loss_step(before=True))
+            self._losses.record(tensor, self._losses.step_for(before=True))
         except Exception as exc:  # never let deadweight stop training
-            self._loss_failed(exc)
+            self._losses.failed(exc)
 
     def _loss_to_check(
         self, first: FirstStep, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -131,10 +132,10 @@ class GlobalWatch(Watch):
     def _global_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         monitor: StepMonitor | None = None
         with contextlib.suppress(Exception):
-            monitor = self._current_monitor(optimizer)
+            monitor = self._optimizers.current(optimizer)
             if (
                 monitor is None
-                and optimizer not in self._unwatched
+                and optimizer not in self._optimizers.unwatched
                 and not self._zero_inner(optimizer)
             ):
                 monitor = self._discover(optimizer)
@@ -145,7 +146,7 @@ class GlobalWatch(Watch):
         if monitor is None:
             return None
         with contextlib.suppress(Exception):
-            return _begin_step(monitor, args, kwargs)
+            return begin_step(monitor, args, kwargs)
         return None
 
     def _global_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -158,17 +159,17 @@ class GlobalWatch(Watch):
         """The step-0 check of this optimizer, into the log; never stops the script."""
         self._checking = True
         try:
-            event = first.run(optimizer, self._names)
+            event = first.run(optimizer, self._optimizers.names)
         except Exception as exc:
-            self._error("step-0 check", exc)
+            self._events.error("step-0 check", exc)
             return
         finally:
             self._checking = False
         try:
             self._open_log()
-            self._emit({"event": "check", "step": 0, **event})
+            self._events.emit({"event": "check", "step": 0, **event})
         except Exception as exc:
-            self._error("step-0 check", exc)
+            self._events.error("step-0 check", exc)
 
     def _zero_inner(self, optimizer: torch.optim.Optimizer) -> bool:
         """The torch optimizer inside a DeepSpeed ZeRO optimizer, stepped once per
@@ -178,8 +179,8 @@ class GlobalWatch(Watch):
         zero = deepspeed_partitions.owner_of(optimizer)
         if zero is None:
             return False
-        self._unwatched.add(optimizer)
-        self._restore.append(deepspeed_partitions.on_next_step(zero, self._watch_zero))
+        self._optimizers.unwatched.add(optimizer)
+        self._hooks.undo.append(deepspeed_partitions.on_next_step(zero, self._watch_zero))
         return True
 
     def _watch_zero(self, zero: Any) -> deepspeed_partitions.ZeroView | None:
@@ -189,8 +190,7 @@ class GlobalWatch(Watch):
         if view is not None and id(view) not in self._monitors:
             self._open_log()
             self._name_from_models(list(view.owners.values()))
-            self._adopt(view)
-            self._monitor_or_none(view)
+            self._optimizers.add(view)
         return view
 
     def _name_from_models(self, params: list[torch.Tensor]) -> None:
@@ -198,13 +198,13 @@ class GlobalWatch(Watch):
             models = owners.owning_models(params)
             for model in models:  # a weakref.proxy to a module (Lightning's) has no weakref
                 with contextlib.suppress(TypeError):
-                    self._found_models.add(model)
+                    self._optimizers.found_models.add(model)
             for name_id, name in owners.parameter_names(models).items():
-                self._names.setdefault(name_id, name)
+                self._optimizers.names.setdefault(name_id, name)
             for copy_id, p in wrappers.main_copies(models).items():
-                self._main_copies.setdefault(copy_id, p)
+                self._optimizers.main_copies.setdefault(copy_id, p)
         except Exception as exc:  # unnamed parameters are still watched
-            self._error("names", exc)
+            self._events.error("names", exc)
 
     def _discover(self, optimizer: torch.optim.Optimizer) -> StepMonitor | None:
         self._open_log()
@@ -227,7 +227,7 @@ class GlobalWatch(Watch):
             if any(id(p) in mine for p in other.params):
                 with contextlib.suppress(Exception):
                     other.finish()
-        return self._monitor_or_none(optimizer)
+        return self._optimizers.build_or_none(optimizer)
 
     def _patch_scale(self) -> None:
         """The loss a GradScaler scaled, for the loss curve (its `scale` output is what
@@ -250,7 +250,7 @@ class GlobalWatch(Watch):
         def restore() -> None:
             scaler_class.scale = original  # type: ignore[method-assign]
 
-        self._restore.append(restore)
+        self._hooks.undo.append(restore)
 
 
 def _is_loss(tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -108,25 +108,26 @@ def start(how: str = "import torch") -> None:
 
     class RunWatch(GlobalWatch):
         def _open_log(self) -> None:
-            if self.log_path is not None and self._writer is None and self._pending is not None:
-                main = self.log_path
-                self.log_path = claim_log_path(main)
-                if not may_write(self.log_path, main, run_id):
+            events = self._events
+            if events.path is not None and events.file is None and events.pending is not None:
+                main = events.path
+                events.path = claim_log_path(main)
+                if not may_write(events.path, main, run_id):
                     print(
-                        f"deadweight: not writing {self.log_path}: the file exists and is not "
+                        f"deadweight: not writing {events.path}: the file exists and is not "
                         "a log of this run (this process is watched without a log)",
                         file=sys.stderr,
                     )
-                    self.log_path, self._pending = None, None
+                    events.path, events.pending = None, None
                     return
-                for event in self._pending:
+                for event in events.pending:
                     if event.get("event") == "start" and run_id is not None:
                         event["run_id"] = run_id
                 # This run's log started by this very process: an earlier image of it,
                 # replaced by os.execv. Its events are kept; this image's follow them as
                 # a run of their own (the report reads the last, the page shows each).
-                earlier = read_start(self.log_path) or {}
-                self.log_append = (
+                earlier = read_start(events.path) or {}
+                events.append = (
                     run_id is not None
                     and earlier.get("run_id") == run_id
                     and (earlier.get("pid") == os.getpid())

@@ -11,7 +11,7 @@ import torch
 from deadweight.distributed import ranks as distributed
 
 if TYPE_CHECKING:
-    from deadweight.watching.step_monitor import _Bucket
+    from deadweight.watching.device_buckets import DeviceBucket
 
 # Values of parameters up to this many elements are logged at every watched step
 # (layer scalars' trajectories; the incident's table of 32 values).
@@ -34,7 +34,7 @@ class ShardRecord:
     (`distributed.one_copy_ranks`), in mesh order (dim-0 shards).
     """
 
-    def __init__(self, bucket: _Bucket, copied: list[int]) -> None:
+    def __init__(self, bucket: DeviceBucket, copied: list[int]) -> None:
         self.bucket = bucket
         self.copied = copied  # the large parameters copied this step, as `unorm` lists them
 

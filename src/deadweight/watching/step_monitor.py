@@ -17,6 +17,11 @@ Two cadences:
   parameter bytes, or all of them with `full=True`), bitwise-unchanged checks, and
   one host transfer of everything accumulated since the last watched step.
 
+The statistics themselves accumulate in one `DeviceBucket` per device
+(`device_buckets.py`); optimizer-state resets and their effects are `StateResets`'
+(`state_resets.py`); this class runs each step's cheap checks, decides which steps
+are watched, and turns each watched step into a `step` event.
+
 Each detector runs under a guard: an exception disables that detector, is reported
 as an `error` event, and never reaches the training loop.
 
@@ -28,30 +33,25 @@ slices, and the watched step's record combines the ranks' slices in one collecti
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from deadweight import wrappers
+from deadweight import owners
 from deadweight.distributed import ranks as distributed
-from deadweight.fingerprints import fingerprint
-from deadweight.watching.shard_record import VALUES_MAX, ShardRecord
+from deadweight.watching.device_buckets import RING, AmpStep, DeviceBucket, GradOf, own_grad
+from deadweight.watching.optimizer_settings import group_settings, host_float
+from deadweight.watching.shard_record import VALUES_MAX
+from deadweight.watching.state_resets import StateResets
 
 Emit = Callable[[dict[str, Any]], None]
-# (found_inf, grad_scale) that a GradScaler sets on a fused optimizer for its step().
-AmpStep = tuple[torch.Tensor, "torch.Tensor | None"]
 
 # Parameters with more elements than this are "large": they get norms, not exact
 # update statistics. Layer scalars, norm gains and biases of models up to ~4k width fit.
 SMALL_DEFAULT = 4096
-# Steps whose per-step update sizes are kept on the device, to compare the updates
-# right after an optimizer-state reset with those right before it.
-RING = 64
 
 
 @dataclass(frozen=True)
@@ -79,25 +79,9 @@ class MonitorConfig:
         return asdict(self)
 
 
-# Parameters that had optimizer state under any monitored optimizer: a new optimizer
-# over them (zero-code mode sees every optimizer a script creates) starts their
-# moments from zero again, which is a reset.
-# (Keyed by identity: a tensor's == is elementwise, so a plain WeakKeyDictionary breaks.)
-_HAD_STATE: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
 def _g7(value: float) -> float:
     """Seven significant digits: plenty for a norm, and ~40% less log than `repr`."""
     return float(f"{value:.7g}") if math.isfinite(value) else value
-
-
-def _host_float(value: Any) -> float | None:
-    """A learning rate or step counter as a float, without a device sync."""
-    if isinstance(value, torch.Tensor):
-        return float(value) if value.device.type == "cpu" else None
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
 
 
 def _signature(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
@@ -105,337 +89,40 @@ def _signature(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     return tuple(len(g["params"]) for g in optimizer.param_groups)
 
 
-def _predicted_reset_amplification(group: dict[str, Any]) -> float | None:
-    # Right after a reset v ~ (1 - b2) g^2 instead of ~ g^2: noise-driven steps grow by
-    # sqrt(1 / (1 - b2)) (the incident's sqrt(20) = 4.47 for b2 = 0.95).
-    betas = group.get("betas")
-    if betas is not None:
-        b2 = _host_float(betas[1])
-        return math.sqrt(1 / (1 - b2)) if b2 is not None and b2 < 1 else None
-    alpha = group.get("alpha")  # RMSprop's smoothing constant plays b2's part
-    if alpha is not None and "eps" in group:
-        a = _host_float(alpha)
-        return math.sqrt(1 / (1 - a)) if a is not None and a < 1 else None
-    return None
-
-
-def _views(buffer: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
-    """Consecutive views of `buffer`, one per shape."""
-    out, offset = [], 0
-    for shape in shapes:
-        size = math.prod(shape)
-        out.append(buffer[offset : offset + size].view(shape))
-        offset += size
-    return out
-
-
-def _loc(t: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of a DTensor (FSDP2) parameter or gradient; a plain tensor as is.
-
-    Every statistic is taken on the slices: an op on the DTensor itself would make
-    torch redistribute it, a collective the monitor does not control.
-    """
-    return distributed.local_tensor(t)
-
-
-GradOf = Callable[[torch.Tensor], "torch.Tensor | None"]
-
-
-def _own_grad(p: torch.Tensor) -> torch.Tensor | None:
-    # megatron-core's DDP keeps gradients in `main_grad` (`.grad` is None until its
-    # optimizer copies them over for the step)
-    return wrappers.gradient(p)
-
-
-class _Bucket:
-    """The device-side state for the monitored parameters that live on one device.
-
-    With `shards` (FSDP2) every number is first measured on this rank's slices and
-    the watched step's record is combined across the ranks (`shard_record.ShardRecord`).
-    """
-
-    def __init__(
-        self,
-        device: torch.device,
-        positions: list[int],
-        params: list[torch.Tensor],
-        small: int,
-        shards: distributed.Shards | None = None,
-        grad_of: GradOf = _own_grad,
-    ) -> None:
-        self.device = device
-        self.grad_of = grad_of
-        self.positions = positions  # indices into the monitor's parameter list
-        self.local = {pos: k for k, pos in enumerate(positions)}  # and back
-        self.params = params
-        self.shards = shards
-        self.shard_bytes = 0  # handed to the collectives that combine the slices
-        n = len(params)
-        f64: dict[str, Any] = {"device": device, "dtype": torch.float64}
-        self.gsq = torch.zeros(n, **f64)  # sum of squared grad norms since the last record
-        self.bad_grad = torch.full((n,), -1, device=device, dtype=torch.int64)
-        # Steps a fused optimizer skipped on which this gradient held inf/NaN.
-        self.skip_nonfinite = torch.zeros(n, device=device, dtype=torch.int64)
-        self.index_cache: dict[tuple[int, ...], torch.Tensor] = {}
-        with torch.no_grad():
-            self.pnorm0 = torch.stack(
-                torch._foreach_norm([_loc(p.detach()) for p in params])
-            ).double()
-            self.fp0 = torch.stack([fingerprint(_loc(p)) for p in params])
-        self.moved = [False] * n  # sticky: once seen changed, never again "unchanged"
-
-        self.small = [i for i, p in enumerate(params) if p.numel() <= small]
-        self.large = [i for i, p in enumerate(params) if p.numel() > small]
-        ns = len(self.small)
-        sizes = [_loc(params[i]).numel() for i in self.small]
-        self.seg = (
-            torch.repeat_interleave(
-                torch.arange(ns, device=device),
-                torch.tensor(sizes, device=device, dtype=torch.long),
-            )
-            if ns
-            else torch.zeros(0, dtype=torch.long, device=device)
-        )
-        # Flat float64 buffers of the small parameters (and their gradients), with a view
-        # per parameter made once here: each step reads all of them with one
-        # `_foreach_copy_`, whatever their number (a view or a `cat` per tensor and step
-        # is a Python-and-dispatch cost that grows with the model's tensor count).
-        total = int(sum(sizes))
-        shapes = [_loc(params[i]).shape for i in self.small]
-        self._bufs = {key: torch.zeros(total, **f64) for key in ("theta0", "pre", "post", "grad")}
-        self._views = {key: _views(buf, shapes) for key, buf in self._bufs.items()}
-        # Under FSDP2 a DTensor's local slice is a new view at each `to_local()`: those
-        # are taken per step; plain parameters are read as they are.
-        self._plain_small = None if shards is not None else [params[i] for i in self.small]
-        tiny = [k for k, i in enumerate(self.small) if params[i].numel() <= VALUES_MAX]
-        starts = [0, *itertools.accumulate(sizes)]
-        self._tiny_index = torch.tensor(
-            [j for k in tiny for j in range(starts[k], starts[k + 1])],
-            dtype=torch.long,
-            device=device,
-        )
-        self.theta0 = self._read_small("theta0")
-        self.path = torch.zeros(ns, **f64)  # sum over steps of ||update||
-        self.rpos = torch.zeros(ns, **f64)  # steps whose update points away from 0 (radially)
-        self.rneg = torch.zeros(ns, **f64)
-        self.sens = torch.zeros(ns, **f64)  # sum over steps of |<grad, theta>|
-        self.gsum = torch.zeros(ns, **f64)  # sum over steps of ||grad||
-        self.zero_upd = torch.zeros(ns, **f64)  # steps with a non-zero grad and no change
-        self.ring = torch.zeros(RING, ns, **f64)  # ||update|| of the last RING steps
-        self.pre_small: torch.Tensor | None = None
-        self.last_un = torch.full((ns,), math.nan, **f64)  # ||update|| of the latest step
-        self.gn_small: torch.Tensor | None = None
-        self.copies: dict[int, torch.Tensor] = {}
-
-    def _small_sources(self) -> list[torch.Tensor]:
-        if self._plain_small is not None:
-            return self._plain_small
-        return [_loc(self.params[i]) for i in self.small]
-
-    @torch.no_grad()
-    def _read_small(self, key: str) -> torch.Tensor:
-        """The small parameters' values, flat in float64, into buffer `key`: one call."""
-        if self.small:
-            torch._foreach_copy_(self._views[key], self._small_sources())
-        return self._bufs[key]
-
-    @torch.no_grad()
-    def _read_small_grads(self) -> torch.Tensor:
-        """The small parameters' gradients, flat in float64 (0 where a gradient is
-        missing): one call, two when some are missing."""
-        views, sources, missing = [], [], False
-        for view, i in zip(self._views["grad"], self.small, strict=True):
-            g = self.grad_of(self.params[i])
-            if g is None:
-                missing = True
-                continue
-            source = _loc(g).to_dense() if g.is_sparse else _loc(g)
-            if source.shape != view.shape:  # kept flat elsewhere (a flat main copy's)
-                source = source.reshape(view.shape)
-            views.append(view)
-            sources.append(source)
-        if missing:
-            self._bufs["grad"].zero_()
-        if sources:
-            torch._foreach_copy_(views, sources)
-        return self._bufs["grad"]
-
-    def _segsum(self, values: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(len(self.small), dtype=torch.float64, device=self.device)
-        return out.index_add_(0, self.seg, values)
-
-    def _index(self, key: tuple[int, ...]) -> torch.Tensor:
-        cached = self.index_cache.get(key)
-        if cached is None:
-            if len(self.index_cache) > 64:  # presence patterns churn (MoE): keep it bounded
-                self.index_cache.clear()
-            cached = self.index_cache[key] = torch.tensor(key, dtype=torch.long, device=self.device)
-        return cached
-
-    # -- every step -------------------------------------------------------------------
-
-    def amp_weights(self, amp: AmpStep | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the step went through, 1 / scale) on this bucket's device, for a fused step."""
-        if amp is None:
-            return None
-        found_inf, scale = amp
-        ok = found_inf.to(self.device).reshape(-1)[0] == 0
-        inv = torch.ones((), dtype=torch.float64, device=self.device)
-        if scale is not None:
-            inv = inv / scale.to(self.device, torch.float64).reshape(-1)[0]
-        return ok, inv
-
-    @torch.no_grad()
-    def grads_before(self, step: int, present: list[int], amp: AmpStep | None = None) -> None:
-        if not present:
-            return
-        grads = [_loc(self.grad_of(self.params[i])) for i in present]  # type: ignore[arg-type]
-        norms = torch.stack(torch._foreach_norm(grads)).double()
-        weights = self.amp_weights(amp)
-        index = self._index(tuple(present))
-        if weights is not None:  # the scaler's own inf/NaN are not the model's
-            # ...but on a step it skips for them, whose they were is counted (device side)
-            blamed = (~torch.isfinite(norms) & ~weights[0]).to(torch.int64)
-            self.skip_nonfinite.index_add_(0, index, blamed)
-            norms = torch.where(weights[0], norms * weights[1], 0.0)
-        self.gsq.index_add_(0, index, norms * norms)
-        seen = self.bad_grad.index_select(0, index)
-        first = torch.where(~torch.isfinite(norms) & (seen < 0), step, seen)
-        self.bad_grad.index_copy_(0, index, first)
-
-    @torch.no_grad()
-    def small_before(self, amp: AmpStep | None = None) -> None:
-        if not self.small:
-            return
-        pre = self._read_small("pre")
-        gcat = self._read_small_grads()
-        weights = self.amp_weights(amp)
-        if weights is not None:  # a skipped step then has no gradient, so no "lost" update
-            gcat = torch.where(weights[0], gcat * weights[1], 0.0)
-        self.sens += self._segsum(gcat * pre).abs()
-        self.gn_small = self._segsum(gcat * gcat).sqrt()
-        self.gsum += self.gn_small
-        self.pre_small = pre
-
-    @torch.no_grad()
-    def small_after(self, step: int) -> None:
-        if not self.small or self.pre_small is None:
-            return
-        post = self._read_small("post")
-        update = post - self.pre_small
-        un = self._segsum(update * update).sqrt()
-        radial = self._segsum(update * self.pre_small)
-        self.path += un
-        self.rpos += radial > 0
-        self.rneg += radial < 0
-        self.ring[step % RING] = un
-        self.last_un = un
-        if self.gn_small is not None:
-            self.zero_upd += (un == 0) & (self.gn_small > 0)
-        self.pre_small = None
-
-    # -- watched steps ----------------------------------------------------------------
-
-    @torch.no_grad()
-    def copy_before(self, chosen: list[int]) -> None:
-        # One call for all: x * 1 is x bit for bit (signed zeros, inf and NaN included).
-        copies = torch._foreach_mul([_loc(self.params[i]) for i in chosen], 1) if chosen else []
-        self.copies = dict(zip(chosen, copies, strict=True))
-
-    @torch.no_grad()
-    def measure_after(self) -> dict[str, Any]:
-        """Everything for one record, in one host transfer (two when a large parameter's
-        norm is bitwise unchanged and its fingerprint must decide)."""
-        params = self.params if self.shards is None else [_loc(p) for p in self.params]
-        pnorm = torch.stack(torch._foreach_norm(params)).double()
-        copied = sorted(self.copies)
-        if copied:
-            # In place on the copies: no second buffer of the same size.
-            deltas = [self.copies[i] for i in copied]
-            torch._foreach_sub_(deltas, [params[i] for i in copied])
-            unorm = torch.stack(torch._foreach_norm(deltas)).double()
-        else:
-            unorm = torch.zeros(0, dtype=torch.float64, device=self.device)
-        self.copies = {}
-        if self.small:
-            post = self._read_small("post")
-            drift = self._segsum((post - self.theta0) ** 2).sqrt()
-            smalls = [
-                self.path, self.rpos, self.rneg, self.sens, self.gsum, self.zero_upd, drift,
-                self.last_un,
-            ]  # fmt: skip
-            values = post.index_select(0, self._tiny_index)
-        else:
-            smalls, values = [], torch.zeros(0, dtype=torch.float64, device=self.device)
-        packed = torch.cat(
-            [
-                self.gsq,
-                self.bad_grad.double(),
-                pnorm,
-                (pnorm == self.pnorm0).double(),
-                unorm,
-                *smalls,
-                values,
-            ]
-        )
-        if self.shards is not None:  # every rank's slices, combined: one collective
-            flat = ShardRecord(self, copied).combine(packed)
-        else:
-            flat = packed.tolist()  # the one CPU-GPU sync of this step
-        self.gsq.zero_()
-        n, ns = len(self.params), len(self.small)
-        out: dict[str, Any] = {}
-        cursor = 0
-
-        def take(k: int) -> list[float]:
-            nonlocal cursor
-            part = flat[cursor : cursor + k]
-            cursor += k
-            return part
-
-        out["gsq"] = take(n)
-        out["bad_grad"] = [int(v) for v in take(n)]
-        out["pnorm"] = take(n)
-        same_norm = take(n)
-        out["unorm"] = dict(zip(copied, take(len(copied)), strict=True))
-        for key in ("path", "rpos", "rneg", "sens", "gsum", "zero_upd", "drift", "last_un"):
-            out[key] = take(ns) if ns else []
-        for k, i in enumerate(self.small):  # small parameters: this step's exact update
-            if math.isfinite(out["last_un"][k]):
-                out["unorm"][i] = out["last_un"][k]
-        out["values"] = take(len(flat) - cursor)
-        # Bitwise-unchanged since the start: exact for small parameters (their start
-        # values are kept); for large ones an unchanged norm is necessary, and the
-        # fingerprint of the raw bits decides.
-        small_pos = {i: k for k, i in enumerate(self.small)}
-        candidates = []
-        for i in range(n):
-            if self.moved[i]:
-                continue
-            if i in small_pos:
-                self.moved[i] = out["drift"][small_pos[i]] != 0
-            elif not same_norm[i]:
-                self.moved[i] = True
-            else:
-                candidates.append(i)
-        if candidates:
-            fps = torch.stack([fingerprint(_loc(self.params[i])) for i in candidates])
-            changed_here = fps != self.fp0[self._index(tuple(candidates))]
-            if self.shards is not None and self.shards.ranks is not None:
-                # The candidates follow from combined numbers: the same on every rank.
-                changed_here = distributed.all_reduce(
-                    self.shards.ranks, changed_here.to(torch.int64), "max", "watch: fingerprints"
+def _watched_params(
+    index: int,
+    optimizer: torch.optim.Optimizer,
+    names: Mapping[int, str],
+    passengers: Sequence[tuple[str, torch.Tensor]],
+    main_copies: Collection[int],
+) -> tuple[list[torch.Tensor], list[int | None], list[str]]:
+    """The tensors a monitor watches, each once: the optimizer's trainable parameters
+    (and main copies), then the passengers it does not hold; with each one's group
+    (None for a passenger) and name."""
+    params: list[torch.Tensor] = []
+    groups: list[int | None] = []
+    named: list[str] = []
+    seen: set[int] = set()
+    for g_index, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if id(p) not in seen and (p.requires_grad or id(p) in main_copies):
+                seen.add(id(p))
+                params.append(p)
+                groups.append(g_index)
+                name = names.get(id(p))
+                named.append(
+                    name if name is not None else owners.fallback_name(index, g_index, j, p)
                 )
-            changed = changed_here.bool().tolist()
-            for i, c in zip(candidates, changed, strict=True):
-                self.moved[i] = bool(c)
-        out["moved"] = list(self.moved)
-        return out
-
-    @torch.no_grad()
-    def ring_mean(self, steps: Sequence[int]) -> torch.Tensor:
-        rows = torch.tensor([s % RING for s in steps], dtype=torch.long, device=self.device)
-        return self.ring.index_select(0, rows).mean(0)
+    # Trainable parameters of the watched models that this optimizer (or any other
+    # watched one) does not hold: checked for movement only.
+    for _, p in passengers:
+        if id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+            groups.append(None)
+            name = names.get(id(p))  # (a passenger always has one)
+            named.append(name if name is not None else owners.fallback_name(index, 0, 0, p))
+    return params, groups, named
 
 
 # A skip event names at most this many parameters with non-finite gradients (and
@@ -450,7 +137,7 @@ class StepMonitor:
         self,
         index: int,
         optimizer: torch.optim.Optimizer,
-        name_of: Callable[[torch.Tensor], str],
+        names: Mapping[int, str],
         emit: Emit,
         config: MonitorConfig,
         passengers: Sequence[tuple[str, torch.Tensor]] = (),
@@ -458,7 +145,9 @@ class StepMonitor:
         shards: distributed.Shards | None = None,
         main_copies: Collection[int] = (),
     ) -> None:
-        """`shards`: the parameters are DTensors (FSDP2); every rank must then watch
+        """`names`: id(parameter) -> its name; a parameter without one is named after
+        its place in the optimizer (`owners.fallback_name`).
+        `shards`: the parameters are DTensors (FSDP2); every rank must then watch
         the same optimizer, since each watched step combines the ranks' slices.
         `main_copies`: ids of the optimizer's tensors that are main copies of
         parameters (`wrappers.main_copy`): watched although they need no gradient."""
@@ -469,7 +158,7 @@ class StepMonitor:
         # that steps with gradients kept elsewhere (DeepSpeed's, through its view in
         # watching/deepspeed_partitions.py), what the optimizer's `grad_of` says.
         grad_of = getattr(optimizer, "grad_of", None)
-        self.grad_of: GradOf = grad_of if callable(grad_of) else _own_grad
+        self.grad_of: GradOf = grad_of if callable(grad_of) else own_grad
         self.config = config
         self.emit = emit
         # A monitor that replaces one of the same optimizer (parameters were added)
@@ -479,46 +168,30 @@ class StepMonitor:
         self.calls_finished = 0  # after_step calls: a GradScaler skip leaves it unchanged
         self.scaler_skips = 0  # skipped_by_scaler calls, so two wrappers count a skip once
         self.disabled: dict[str, str] = {}
-        params: list[torch.Tensor] = []
-        groups: list[int | None] = []
-        seen: set[int] = set()
-        for g_index, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in seen and (p.requires_grad or id(p) in main_copies):
-                    seen.add(id(p))
-                    params.append(p)
-                    groups.append(g_index)
-        # Trainable parameters of the watched models that this optimizer (or any other
-        # watched one) does not hold: checked for movement only.
-        for _, p in passengers:
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-                groups.append(None)
+        params, groups, self.names = _watched_params(
+            index, optimizer, names, passengers, main_copies
+        )
         self.params = params
         self.groups = groups
         self.passengers = list(passengers)
         self.signature = _signature(optimizer)
-        self.names = [name_of(p) for p in params]
         self.stateful_positions = [i for i, g in enumerate(groups) if g is not None]
         self.present_count = [0] * len(params)
         self.present_window = [0] * len(params)
         self.lr0_steps = [0] * len(params)
         self.window = 0  # steps since the last record
         self.lr_sum = [0.0] * len(optimizer.param_groups)
-        self.had_state = [bool(_HAD_STATE.get(p)) for p in params]
         self.reported_bad: set[tuple[int, str]] = set()
-        self.pending_resets: list[dict[str, Any]] = []
-        self.burst_until = 0
         self.rotation = 0
         self.small_steps = 0
         by_device: dict[torch.device, list[int]] = {}
         for i, p in enumerate(params):
             by_device.setdefault(p.device, []).append(i)
         self.buckets = [
-            _Bucket(device, pos, [params[i] for i in pos], config.small, shards, self.grad_of)
+            DeviceBucket(device, pos, [params[i] for i in pos], config.small, shards, self.grad_of)
             for device, pos in by_device.items()
         ]
+        self.resets = StateResets(self)
         self._present: list[int] = []
         self._watched = False
         self._began = False  # before_step ran for the step in progress
@@ -533,17 +206,7 @@ class StepMonitor:
     # -- the event that introduces this optimizer ----------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        groups = []
-        for group in self.optimizer.param_groups:
-            groups.append(
-                {
-                    "lr": _host_float(group.get("lr")),
-                    "weight_decay": _host_float(group.get("weight_decay", 0.0)),
-                    "betas": [_host_float(b) for b in group["betas"]] if "betas" in group else None,
-                    "eps": _host_float(group.get("eps")),
-                    "predicted_reset_amplification": _predicted_reset_amplification(group),
-                }
-            )
+        groups = [group_settings(group) for group in self.optimizer.param_groups]
         small_order = [b.positions[i] for b in self.buckets for i in b.small]
         return {
             "event": "optimizer",
@@ -598,13 +261,14 @@ class StepMonitor:
         self._watched = (
             self.step == self.start_step + 1  # the baseline record
             or self.step % cfg.every == 0
-            or self.step <= self.burst_until
+            or self.step <= self.resets.burst_until
         )
         self._amp = self._guarded("amp", self._amp_step)
         self._guarded("scaler", self._count_fused_skip)
         self._guarded("gradients", self._gradients)
         self._guarded("learning-rate", self._learning_rates)
-        self._guarded("resets", self._resets)
+        if self._guarded("resets", self.resets.check):
+            self._watched = True  # every step of the burst, in full
         self._guarded("small-parameters", self._small_before)
         if self._watched:
             self._guarded("update-norms", self._copy_before)
@@ -615,7 +279,7 @@ class StepMonitor:
             return
         self._began = False
         self._guarded("small-parameters", self._small_after)
-        self._guarded("resets", self._reset_effects)
+        self._guarded("resets", self.resets.effects)
         if self._watched:
             self._guarded("scaler", self._report_fused_skips)
             self._guarded("record", self._record)
@@ -710,7 +374,7 @@ class StepMonitor:
     def _learning_rates(self) -> None:
         zero_groups = set()
         for g_index, group in enumerate(self.optimizer.param_groups):
-            lr = _host_float(group.get("lr"))
+            lr = host_float(group.get("lr"))
             if lr is not None:
                 self.lr_sum[g_index] += lr
                 if lr == 0:
@@ -719,95 +383,6 @@ class StepMonitor:
             for i in self._present:
                 if self.groups[i] in zero_groups:
                     self.lr0_steps[i] += 1
-
-    def _resets(self) -> None:
-        state = self.optimizer.state
-        fresh = []
-        for i in self.stateful_positions:
-            p = self.params[i]
-            has = bool(state.get(p))
-            if has:
-                if not self.had_state[i]:
-                    self.had_state[i] = True
-                    _HAD_STATE[p] = True
-            elif self.had_state[i] and self.grad_of(p) is not None:
-                fresh.append(i)
-        if not fresh:
-            return
-        groups = sorted({g for i in fresh if (g := self.groups[i]) is not None})
-        predicted = [_predicted_reset_amplification(self.optimizer.param_groups[g]) for g in groups]
-        event = {
-            "event": "reset",
-            "optimizer": self.index,
-            "step": self.step,
-            "params": fresh,
-            "predicted_amplification": max((p for p in predicted if p is not None), default=None),
-            "cause": "a new optimizer took over parameters another one had trained"
-            if self.step == self.start_step + 1
-            else "the optimizer's state was emptied (cleared, or loaded without state)",
-        }
-        self.emit(event)
-        # Measure every step of the burst in full, and compare the update sizes of the
-        # small parameters right after the reset with those right before it.
-        self.burst_until = self.step + self.config.burst - 1
-        before = list(range(max(1, self.step - RING + 1), self.step))
-        self.pending_resets.append(
-            {
-                "step": self.step,
-                "before_steps": len(before),
-                "before": [
-                    b.ring_mean(before) if before and b.small else None for b in self.buckets
-                ],
-            }
-        )
-        self._watched = True
-
-    def _reset_effects(self) -> None:
-        done = [r for r in self.pending_resets if self.step >= r["step"] + self.config.burst - 1]
-        for reset in done:
-            self.pending_resets.remove(reset)
-            after = list(range(reset["step"], reset["step"] + self.config.burst))
-            small, before, first, mean_after = [], [], [], []
-            for bucket, b_before in zip(self.buckets, reset["before"], strict=True):
-                if not bucket.small:
-                    continue
-                rows = torch.stack(
-                    [
-                        b_before
-                        if b_before is not None
-                        else torch.full_like(bucket.path, math.nan),
-                        bucket.ring[reset["step"] % RING],
-                        bucket.ring_mean(after),
-                    ]
-                )
-                if self.shards is not None and self.shards.ranks is not None:
-                    # Norms of the slices -> norms of the parameters (exact per step).
-                    world = self.shards.ranks.world_size
-                    w = torch.tensor(
-                        [distributed.share_of_sum(bucket.params[i], world) for i in bucket.small],
-                        dtype=torch.float64,
-                    )
-                    rows = distributed.all_reduce(
-                        self.shards.ranks, rows.cpu() ** 2 * w, "sum", "watch: reset effects"
-                    ).sqrt()
-                rows_list = rows.tolist()
-                small += [bucket.positions[i] for i in bucket.small]
-                before += rows_list[0]
-                first += rows_list[1]
-                mean_after += rows_list[2]
-            self.emit(
-                {
-                    "event": "reset_effect",
-                    "optimizer": self.index,
-                    "step": reset["step"],
-                    "before_steps": reset["before_steps"],
-                    "after_steps": len(after),
-                    "params": small,
-                    "before": before,
-                    "first": first,
-                    "after": mean_after,
-                }
-            )
 
     def _small_before(self) -> None:
         for bucket in self.buckets:
@@ -896,7 +471,7 @@ class StepMonitor:
             for key in small_stats:
                 small_stats[key] += m[key]
             values += m["values"]
-        lrs = [_host_float(g.get("lr")) for g in self.optimizer.param_groups]
+        lrs = [host_float(g.get("lr")) for g in self.optimizer.param_groups]
         self.emit(
             {
                 "event": "step",
