@@ -19,7 +19,8 @@ Two cadences:
 
 The statistics themselves accumulate in one `DeviceBucket` per device
 (`device_buckets.py`); optimizer-state resets and their effects are `StateResets`'
-(`state_resets.py`); this class runs each step's cheap checks, decides which steps
+(`state_resets.py`), the steps a GradScaler skipped `ScalerSkips'` (`scaler_skips.py`);
+this class runs each step's cheap checks, decides which steps
 are watched, and turns each watched step into a `step` event.
 
 Each detector runs under a guard: an exception disables that detector, is reported
@@ -44,6 +45,7 @@ from deadweight import owners
 from deadweight.distributed import ranks as distributed
 from deadweight.watching.device_buckets import RING, AmpStep, DeviceBucket, GradOf, own_grad
 from deadweight.watching.optimizer_settings import group_settings, host_float
+from deadweight.watching.scaler_skips import ScalerSkips
 from deadweight.watching.shard_record import VALUES_MAX
 from deadweight.watching.state_resets import StateResets
 
@@ -125,11 +127,6 @@ def _watched_params(
     return params, groups, named
 
 
-# A skip event names at most this many parameters with non-finite gradients (and
-# counts them all): a broken fp16 run skips every step.
-MAX_SKIP_NAMES = 64
-
-
 class StepMonitor:
     """Watches one optimizer. `before_step` / `after_step` are its step hooks' bodies."""
 
@@ -196,11 +193,7 @@ class StepMonitor:
         self._watched = False
         self._began = False  # before_step ran for the step in progress
         self._amp: AmpStep | None = None
-        # Steps a fused optimizer skipped for a GradScaler, counted on the device and
-        # read at watched steps (no sync per step); how many were reported already.
-        self.fused_skips: torch.Tensor | None = None
-        self.fused_skips_reported = 0
-        self.skip_blamed: dict[int, int] = {}  # per position: skips already blamed on it
+        self.skips = ScalerSkips(self)
         emit(self.describe())
 
     # -- the event that introduces this optimizer ----------------------------------------
@@ -263,8 +256,8 @@ class StepMonitor:
             or self.step % cfg.every == 0
             or self.step <= self.resets.burst_until
         )
-        self._amp = self._guarded("amp", self._amp_step)
-        self._guarded("scaler", self._count_fused_skip)
+        self._amp = self._guarded("amp", self.skips.amp_step)
+        self._guarded("scaler", self.skips.count_fused, self._amp)
         self._guarded("gradients", self._gradients)
         self._guarded("learning-rate", self._learning_rates)
         if self._guarded("resets", self.resets.check):
@@ -281,7 +274,7 @@ class StepMonitor:
         self._guarded("small-parameters", self._small_after)
         self._guarded("resets", self.resets.effects)
         if self._watched:
-            self._guarded("scaler", self._report_fused_skips)
+            self._guarded("scaler", self.skips.report_fused)
             self._guarded("record", self._record)
 
     def structure_changed(self) -> bool:
@@ -291,13 +284,13 @@ class StepMonitor:
         """Record the steps since the last watched step (watching ends): without this a
         run of 59 steps watched every 20 would be judged on its first 40."""
         if self.window:
-            self._guarded("scaler", self._report_fused_skips)
+            self._guarded("scaler", self.skips.report_fused)
             self._guarded("record", self._record)
 
     def skipped_by_scaler(self) -> None:
         """The GradScaler found inf/NaN gradients and did not call optimizer.step()."""
         self.scaler_skips += 1
-        self._guarded("scaler", self._scaler_skip)
+        self._guarded("scaler", self.skips.skipped)
 
     def scaler_token(self) -> tuple[int, int]:
         """Taken before a scaler step; `skipped_since` tells after it whether it skipped."""
@@ -308,58 +301,6 @@ class StepMonitor:
         return (self.calls_finished, self.scaler_skips) == token
 
     # -- detectors -----------------------------------------------------------------------
-
-    def _amp_step(self) -> AmpStep | None:
-        """A GradScaler steps a fused optimizer (`_step_supports_amp_scaling`) with the
-        gradients still scaled, and even when they hold inf/NaN: the kernel unscales and
-        skips by itself, told through these two attributes."""
-        found_inf = getattr(self.optimizer, "found_inf", None)
-        if not isinstance(found_inf, torch.Tensor):
-            return None
-        scale = getattr(self.optimizer, "grad_scale", None)
-        return found_inf, scale if isinstance(scale, torch.Tensor) else None
-
-    def _count_fused_skip(self) -> None:
-        if self._amp is None:
-            return
-        skipped = (self._amp[0].detach().reshape(-1)[0] != 0).to(torch.int64)
-        self.fused_skips = skipped if self.fused_skips is None else self.fused_skips + skipped
-
-    def _report_fused_skips(self) -> None:
-        if self.fused_skips is None:
-            return
-        count = int(self.fused_skips)  # a sync, on watched steps of fused+GradScaler runs only
-        new = count - self.fused_skips_reported
-        if new <= 0:
-            return
-        # How many of the new skips each parameter's gradient was inf/NaN on: it is
-        # listed on that many of the skip events, so its count comes out exact.
-        blamed: dict[int, int] = {}
-        for bucket in self.buckets:
-            counts = bucket.skip_nonfinite.tolist()
-            for k, c in enumerate(counts):
-                delta = c - self.skip_blamed.get(bucket.positions[k], 0)
-                if delta > 0:
-                    blamed[bucket.positions[k]] = delta
-                    self.skip_blamed[bucket.positions[k]] = c
-        cause = getattr(self.optimizer, "skip_cause", None) or (
-            "GradScaler found inf/NaN gradients and the fused optimizer skipped its update"
-        )
-        for j in range(new):
-            bad = sorted(pos for pos, c in blamed.items() if c > j)
-            self.emit(
-                {
-                    "event": "skip",
-                    "optimizer": self.index,
-                    "step": self.step,
-                    "cause": f"{cause} (counted at this watched step)",
-                    "nonfinite": bad[:MAX_SKIP_NAMES],
-                    "nonfinite_count": len(bad),
-                    # step() was called (the kernel skipped), so it is among the steps
-                    "counted_as_step": True,
-                }
-            )
-        self.fused_skips_reported = count
 
     def _gradients(self) -> None:
         present = [i for i, p in enumerate(self.params) if self.grad_of(p) is not None]
@@ -413,36 +354,6 @@ class StepMonitor:
         self.rotation = (self.rotation + taken) % len(order)
         for bucket in self.buckets:
             bucket.copy_before(chosen.get(id(bucket), []))
-
-    def _scaler_skip(self) -> None:
-        bad = self._nonfinite_grads()
-        self.emit(
-            {
-                "event": "skip",
-                "optimizer": self.index,
-                "step": self.step,
-                "cause": "GradScaler found inf/NaN gradients and skipped optimizer.step()",
-                "nonfinite": bad[:MAX_SKIP_NAMES],
-                "nonfinite_count": len(bad),
-            }
-        )
-
-    def _nonfinite_grads(self) -> list[int]:
-        """The positions of the parameters whose gradient holds inf/NaN, read on a step
-        the scaler skipped (it has unscaled them by then, and synced to decide): one
-        check per parameter and one transfer per device, on skipped steps only."""
-        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-        for k, p in enumerate(self.params):
-            g = self.grad_of(p)
-            if g is None or g.is_sparse:
-                continue
-            local = distributed.local_tensor(g)
-            by_device.setdefault(local.device, []).append((k, local))
-        bad: list[int] = []
-        for items in by_device.values():
-            finite = torch.stack([torch.isfinite(g).all() for _, g in items]).tolist()
-            bad += [k for (k, _), ok in zip(items, finite, strict=True) if not ok]
-        return sorted(bad)
 
     def _record(self) -> None:
         n = len(self.params)

@@ -102,13 +102,13 @@ def test_a_scaler_stepping_a_framework_wrapper_is_seen(zero_code: bool) -> None:
 
 def test_the_skip_check_reads_nothing_on_healthy_steps(monkeypatch) -> None:
     """The per-parameter inf/NaN check runs on skipped steps only."""
-    from deadweight.watching import step_monitor
+    from deadweight.watching import scaler_skips
 
     calls = []
-    original = step_monitor.StepMonitor._nonfinite_grads
+    original = scaler_skips.ScalerSkips.nonfinite_grads
     monkeypatch.setattr(
-        step_monitor.StepMonitor,
-        "_nonfinite_grads",
+        scaler_skips.ScalerSkips,
+        "nonfinite_grads",
         lambda self: calls.append(1) or original(self),
     )
     torch.manual_seed(0)
