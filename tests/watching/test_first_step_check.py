@@ -492,12 +492,15 @@ class _OnceOnly(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(6, 6)
-        self.seen: set[int] = set()
+        # The batches themselves, not their ids: a freed batch's id is reused by the
+        # next one at once, which made a fresh batch look seen, depending on what else
+        # held on to the previous one.
+        self.seen: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if id(x) in self.seen:
+        if any(x is t for t in self.seen):
             raise RuntimeError("this batch was already used")
-        self.seen.add(id(x))
+        self.seen.append(x)
         return self.linear(x)
 
 
