@@ -47,7 +47,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -298,11 +298,10 @@ class StructureTracker:
                 self._current_module(),
                 max([FLOAT32_ROUNDOFF] + [unit_roundoff(o.dtype) for o in tensor_outputs(ctx.out)]),
             )
-        # A record, not a Mechanism: most are uniform shifts that `result` drops (a
-        # LayerNorm absorbs every bias upstream of it), so the dataclass is built only
-        # for the cancellations it reports.
+        # A record, not yet a Mechanism: `result` makes one only for the effects it
+        # reports.
         self.absorbed.setdefault(entity, []).append(
-            (
+            _Absorbed(
                 ctx.name,
                 ctx.ordinal,
                 op,
@@ -326,7 +325,7 @@ class StructureTracker:
                 continue
             if e in at_loss.lost or e in at_loss.pure:
                 continue  # it reaches the loss in another way too
-            full = e not in at_loss.partial and all(r[5] for r in records)
+            full = e not in at_loss.partial and all(r.full for r in records)
             if kind == SHIFT and (not full or e in self._free_means):
                 # A free mean (a bias or an embedding feeding a LayerNorm or a softmax) is
                 # how mean-subtracting designs work; nothing to report or to confirm.
@@ -367,29 +366,38 @@ class StructureTracker:
         )
 
 
-# One absorbed effect: (call, ordinal, op, (site, module, output rounding), dims,
-# full, approx, rounding), as `absorb` records it.
-_Absorbed = tuple[str, int, str, tuple[Any, Any, float], Iterable[int], bool, bool, float]
+class _Absorbed(NamedTuple):
+    """One effect a call cancelled, as `absorb` records it (a tuple: it is made for
+    every effect every norm of the forward cancels)."""
+
+    call: str
+    ordinal: int
+    op: str
+    where: tuple[Any, Any, float]  # the call's site, module and output rounding
+    dims: Iterable[int]
+    full: bool
+    approx: bool
+    rounding: float
 
 
 def _unique(records: list[_Absorbed]) -> tuple[Mechanism, ...]:
     """One Mechanism per cancelling call, from the first record of it."""
     seen: dict[tuple[str, int], _Absorbed] = {}
     for r in records:
-        seen.setdefault((r[0], r[1]), r)
+        seen.setdefault((r.call, r.ordinal), r)
     return tuple(
         Mechanism(
-            op=op,
-            call=call,
-            ordinal=ordinal,
-            site=where[0],
-            module=where[1],
-            dims=tuple(sorted(dims)),
-            facet="full" if full else "uniform",
-            approx=approx,
-            rounding=rounding,
+            op=r.op,
+            call=r.call,
+            ordinal=r.ordinal,
+            site=r.where[0],
+            module=r.where[1],
+            dims=tuple(sorted(r.dims)),
+            facet="full" if r.full else "uniform",
+            approx=r.approx,
+            rounding=r.rounding,
         )
-        for call, ordinal, op, where, dims, full, approx, rounding in seen.values()
+        for r in seen.values()
     )
 
 
