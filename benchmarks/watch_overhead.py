@@ -27,15 +27,15 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import deadweight
@@ -115,40 +115,15 @@ def wandb_variant(log_freq: int) -> Callable[[Any, Any], Any] | None:
     return variant
 
 
-class _Calls(TorchDispatchMode):
-    """Counts aten calls (each is Python and dispatch time on the step's critical path)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.calls[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def added_calls(layers: int, steps: int = 40) -> tuple[int, float, list[tuple[str, float]]]:
     """Aten calls watch adds per step at the default cadence, on a GPT-2 of `layers`
-    blocks (width 64): the tensor count, the calls per step, the largest kinds."""
-    counts = []
-    for watched in (False, True):
-        torch.manual_seed(0)
-        config = GPT2Config(n_embd=64, n_layer=layers, n_head=2, vocab_size=64, n_positions=8)
-        model = GPT2LMHeadModel(config).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ids = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(1))
-        context = deadweight.watch(model, opt) if watched else contextlib.nullcontext()
-        counter = _Calls()
-        with context, counter:
-            for _ in range(steps):
-                opt.zero_grad(set_to_none=True)
-                model(input_ids=ids, labels=ids).loss.backward()
-                opt.step()
-        counts.append(counter.calls)
-    plain, watched_calls = counts
-    added = {op: watched_calls[op] - plain[op] for op in watched_calls}
+    blocks (width 64): the tensor count, the calls per step, the largest kinds. The
+    count is tests/watch_step_calls.py's, the one tests/watching/test_step_cost.py bounds."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.watch_step_calls import added_per_step
+
+    tensors, added = added_per_step(layers, steps)
     top = sorted(((op, n / steps) for op, n in added.items() if n), key=lambda kv: -kv[1])
-    tensors = len(list(model.parameters()))
     return tensors, sum(added.values()) / steps, top[:5]
 
 
