@@ -276,9 +276,20 @@ def _names(*bases: str, methods: bool = True, functions: bool = True) -> list[st
 PROPAGATORS: dict[str, Callable[[OpCall], Any]] = {}
 
 
-def _register(names: Iterable[str], propagator: Callable[[OpCall], Any]) -> None:
+# Calls whose propagator, when only the first argument carries effects and none of them
+# is pure, gives each output that argument's carrier unchanged (it only maps the pure
+# facets; plain dependences pass as they are). The tracker skips the propagator there:
+# a quarter of a transformer's carrying calls, behind the norms where every effect is plain.
+_CARRIES_THROUGH: set[str] = set()
+
+
+def _register(
+    names: Iterable[str], propagator: Callable[[OpCall], Any], *, carries_through: bool = False
+) -> None:
     for n in names:
         PROPAGATORS[n] = propagator
+        if carries_through:
+            _CARRIES_THROUGH.add(n)
 
 
 _register(
@@ -298,6 +309,7 @@ _register(
         "cuda",
     ),
     propagate_same,
+    carries_through=True,
 )
 _register(
     _names(
@@ -316,10 +328,12 @@ _register(
         "ravel",
     ),
     propagate_reshape,
+    carries_through=True,
 )
 _register(
     [*_names("permute", "transpose", "t", "swapaxes", "swapdims"), "Tensor.T", "Tensor.mT"],
     propagate_permute,
+    carries_through=True,
 )
 _register(
     [
@@ -327,6 +341,7 @@ _register(
         "Tensor.__getitem__",
     ],
     propagate_slice,
+    carries_through=True,
 )
 for _op, _aliases in {
     "add": ("add", "__add__", "__radd__", "__iadd__", "add_"),
@@ -334,24 +349,28 @@ for _op, _aliases in {
     "mul": ("mul", "multiply", "__mul__", "__rmul__", "__imul__", "mul_"),
     "div": ("div", "divide", "true_divide", "__truediv__", "__rtruediv__", "__itruediv__", "div_"),
 }.items():
-    _register(_names(*_aliases), propagate_binary(_op))
-_register(_names("neg", "negative", "__neg__"), propagate_neg)
-_register(_names("pow", "__pow__", "float_power"), propagate_power(exponent))
-_register(_names("square"), propagate_power(lambda _: Fraction(2)))
-_register(_names("sqrt"), propagate_power(lambda _: Fraction(1, 2)))
-_register(_names("rsqrt"), propagate_power(lambda _: Fraction(-1, 2)))
-_register(_names("reciprocal"), propagate_power(lambda _: Fraction(-1)))
-_register(_names("abs", "__abs__"), propagate_scale_keeping)
+    _register(_names(*_aliases), propagate_binary(_op), carries_through=True)
+_register(_names("neg", "negative", "__neg__"), propagate_neg, carries_through=True)
+_register(_names("pow", "__pow__", "float_power"), propagate_power(exponent), carries_through=True)
+_register(_names("square"), propagate_power(lambda _: Fraction(2)), carries_through=True)
+_register(_names("sqrt"), propagate_power(lambda _: Fraction(1, 2)), carries_through=True)
+_register(_names("rsqrt"), propagate_power(lambda _: Fraction(-1, 2)), carries_through=True)
+_register(_names("reciprocal"), propagate_power(lambda _: Fraction(-1)), carries_through=True)
+_register(_names("abs", "__abs__"), propagate_scale_keeping, carries_through=True)
 _register(
-    _names("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout"), propagate_dropout
+    _names("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout"),
+    propagate_dropout,
+    carries_through=True,
 )
-_register(_names("sum"), propagate_reduce("sum"))
-_register(_names("mean"), propagate_reduce("mean"))
-_register(_names("amax", "amin"), propagate_reduce("max"))
-_register(_names("logsumexp"), propagate_reduce("lse"))
-_register(_names("var"), propagate_reduce("var"))
-_register(_names("std"), propagate_reduce("std"))
-_register([*_names("norm"), "torch.linalg.vector_norm"], propagate_reduce("norm"))
+_register(_names("sum"), propagate_reduce("sum"), carries_through=True)
+_register(_names("mean"), propagate_reduce("mean"), carries_through=True)
+_register(_names("amax", "amin"), propagate_reduce("max"), carries_through=True)
+_register(_names("logsumexp"), propagate_reduce("lse"), carries_through=True)
+_register(_names("var"), propagate_reduce("var"), carries_through=True)
+_register(_names("std"), propagate_reduce("std"), carries_through=True)
+_register(
+    [*_names("norm"), "torch.linalg.vector_norm"], propagate_reduce("norm"), carries_through=True
+)
 _register(_names("matmul", "__matmul__", "__rmatmul__", "bmm", "mm"), propagate_matmul)
 _register(["torch.nn.functional.linear", "torch._C._nn.linear"], propagate_linear)
 _register(_names("addmm"), propagate_addmm)
@@ -384,29 +403,5 @@ _register(
 # The calls that can cancel, counted in call order so that a re-run finds the same one.
 COUNTED = frozenset(PROPAGATORS)
 
-# Calls whose propagator, when only the first argument carries effects and none of them
-# is pure, gives each output that argument's carrier unchanged (it only maps the pure
-# facets; plain dependences pass as they are). The tracker skips the propagator there:
-# a quarter of a transformer's carrying calls, behind the norms where every effect is plain.
-CARRY_THROUGH = frozenset(
-    name
-    for name, propagator in PROPAGATORS.items()
-    if propagator
-    in (
-        propagate_same,
-        propagate_reshape,
-        propagate_permute,
-        propagate_slice,
-        propagate_neg,
-        propagate_scale_keeping,
-        propagate_dropout,
-    )
-    or name.rsplit(".", 1)[-1]
-    in (
-        "add", "__add__", "__radd__", "__iadd__", "add_", "sub", "subtract", "__sub__",
-        "__rsub__", "__isub__", "sub_", "mul", "multiply", "__mul__", "__rmul__", "__imul__",
-        "mul_", "div", "divide", "true_divide", "__truediv__", "__rtruediv__", "__itruediv__",
-        "div_", "pow", "__pow__", "float_power", "square", "sqrt", "rsqrt", "reciprocal",
-        "sum", "mean", "amax", "amin", "logsumexp", "var", "std", "norm",
-    )
-)  # fmt: skip
+# Registered with `carries_through=True` (see `_CARRIES_THROUGH`).
+CARRY_THROUGH = frozenset(_CARRIES_THROUGH)
