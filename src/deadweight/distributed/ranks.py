@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -114,11 +115,19 @@ def is_wrapped_for_distribution(model: nn.Module) -> bool:
 
 
 def _is_fsdp2(module: nn.Module) -> bool:
+    fsdp_module = _fsdp_module_type()
+    return fsdp_module is not None and isinstance(module, fsdp_module)
+
+
+@functools.cache
+def _fsdp_module_type() -> type | None:
+    """FSDP2's module class, imported at first use (asked once per module per check:
+    an import statement each time cost more than the isinstance)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
+        return None
+    return FSDPModule
 
 
 def uses_fsdp2(model: nn.Module) -> bool:
