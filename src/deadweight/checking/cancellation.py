@@ -61,6 +61,8 @@ from deadweight.checking.carrier_algebra import (
     Carrier,
     Facet,
     all_dims,
+    bits,
+    bits_of,
     flat_args,
     general,
     new_tag,
@@ -183,11 +185,27 @@ class StructureTracker:
 
     def _set(self, out: object, c: Carrier) -> None:
         if isinstance(out, Tensor):
+            if c.pure and self._free_means and not self._free_means.isdisjoint(c.pure):
+                c = self._without_free_means(c)
             if c.lost or c.partial or c.pure:
                 self._carriers.set(out, c)
                 self._coarsen(c, out)
             else:
                 self._carriers.discard(out)
+
+    def _without_free_means(self, c: Carrier) -> Carrier:
+        """`c` with the shifts whose mean some call already absorbed as a free mean
+        turned into plain dependences. `result` never reports such a shift, so its exact
+        form no longer matters; following it stays a dependence (the parameter still
+        reaches what it reached). In a transformer every bias and embedding is one
+        after the first LayerNorm, and the residual stream carried them all, layer
+        after layer, through every op of every block."""
+        free = self._free_means
+        dead = bits_of(e for e in c.pure if e in free)
+        lost = c.lost | dead
+        return Carrier(
+            lost, c.partial & ~lost, {e: f for e, f in c.pure.items() if not dead >> e & 1}
+        )
 
     def _coarsen(self, c: Carrier, value: Tensor) -> None:
         """Note that the pure effects of `c` now sit in `value`'s dtype."""
@@ -221,7 +239,7 @@ class StructureTracker:
         carriers = [self.carrier(v) for v in flat_args(args, kwargs)]
         carriers += [self.carrier(v) for v in inner]
         merged = general(carriers)
-        self._opaque(merged.lost | merged.partial)
+        self._opaque(bits(merged.lost | merged.partial))
         for o in outputs:
             self._set(o, merged)
 
@@ -264,7 +282,7 @@ class StructureTracker:
             carriers = [self.carrier(v) for v in flat_args(args, kwargs)]
             if _is_custom_op(func):
                 for c in carriers:
-                    self._opaque(c.all_entities() | c.partial)
+                    self._opaque(bits(c.all_entities() | c.partial))
             merged = general(carriers)
             for o in outs:
                 self._set(o, merged)
@@ -317,15 +335,15 @@ class StructureTracker:
     # -- the verdict --------------------------------------------------------------
     def result(self, loss: Tensor, has_grad: Callable[[int], bool]) -> StructureResult:
         at_loss = self.carrier(loss)
-        influencing = {e // 2 for e in at_loss.lost | frozenset(at_loss.pure)}
+        influencing = {e // 2 for e in bits(at_loss.all_entities())}
         cancellations: dict[str, Cancellation] = {}
         for e, records in self.absorbed.items():
             i, kind = divmod(e, 2)
             if e in self._opaque_entities or not has_grad(i):
                 continue
-            if e in at_loss.lost or e in at_loss.pure:
+            if at_loss.lost >> e & 1 or e in at_loss.pure:
                 continue  # it reaches the loss in another way too
-            full = e not in at_loss.partial and all(r.full for r in records)
+            full = not at_loss.partial >> e & 1 and all(r.full for r in records)
             if kind == SHIFT and (not full or e in self._free_means):
                 # A free mean (a bias or an embedding feeding a LayerNorm or a softmax) is
                 # how mean-subtracting designs work; nothing to report or to confirm.

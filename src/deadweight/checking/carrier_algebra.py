@@ -68,19 +68,39 @@ class Carrier(NamedTuple):
 
     lost: entities whose effect reaches it in no known form (every direction).
     partial: entities whose non-uniform directions reach it in no known form.
+    Both are bit sets (entity e is bit e of an int): they grow with the parameters
+    upstream, and nearly every call merges them, which for an int is one C operation
+    whatever the size, where a frozenset copied every member (see `bits`).
     pure: the entities whose effect is still pure, with its facet (never changed
     once the carrier is made).
     """
 
-    lost: frozenset[int] = frozenset()
-    partial: frozenset[int] = frozenset()
+    lost: int = 0
+    partial: int = 0
     pure: Mapping[int, Facet] = _NO_EFFECTS
 
     def depends(self, entity: int) -> bool:
-        return entity in self.lost or entity in self.pure or entity in self.partial
+        return bool((self.lost | self.partial) >> entity & 1) or entity in self.pure
 
-    def all_entities(self) -> frozenset[int]:
-        return self.lost | frozenset(self.pure)
+    def all_entities(self) -> int:
+        """lost and pure entities, as bits"""
+        return self.lost | bits_of(self.pure)
+
+
+def bits_of(entities: Iterable[int]) -> int:
+    """The bit set of some entities."""
+    out = 0
+    for e in entities:
+        out |= 1 << e
+    return out
+
+
+def bits(entities: int) -> Iterator[int]:
+    """The entities in a bit set, in increasing order."""
+    while entities:
+        low = entities & -entities
+        yield low.bit_length() - 1
+        entities ^= low
 
 
 EMPTY = Carrier()
@@ -164,37 +184,35 @@ def map_carrier(c: Carrier, mapping: Callable[[frozenset[int]], frozenset[int] |
     return Carrier(c.lost, c.partial, {e: map_facet(f, mapping) for e, f in c.pure.items()})
 
 
-def merge_general(carriers: Iterable[Carrier]) -> tuple[frozenset[int], frozenset[int]]:
-    lost: frozenset[int] = frozenset()
-    partial: frozenset[int] = frozenset()
+def merge_general(carriers: Iterable[Carrier]) -> tuple[int, int]:
+    lost = partial = 0
     for c in carriers:
-        if c.lost:
-            lost = lost | c.lost if lost is not c.lost else lost
-        if c.partial:
-            partial = partial | c.partial
+        lost |= c.lost
+        partial |= c.partial
     return lost, partial
 
 
 def general(carriers: Iterable[Carrier]) -> Carrier:
     """Every effect turned into a plain dependence."""
-    cs = list(carriers)
-    lost, partial = merge_general(cs)
-    for c in cs:
-        if c.pure:
-            lost = lost | frozenset(c.pure)
-    return Carrier(lost, partial - lost)
+    lost = partial = 0
+    for c in carriers:
+        lost |= c.lost
+        partial |= c.partial
+        for e in c.pure:
+            lost |= 1 << e
+    return Carrier(lost, partial & ~lost)
 
 
-def finish(lost: frozenset[int], partial: frozenset[int], pure: dict[int, Facet]) -> Carrier:
+def finish(lost: int, partial: int, pure: dict[int, Facet]) -> Carrier:
     """The carrier of lost, partial and pure effects (a lost effect is no longer pure;
     a pure one whose full facet is unknown is partial)."""
-    for e in list(pure):
-        if e in lost:
+    if lost:
+        for e in [e for e in pure if lost >> e & 1]:
             del pure[e]
     for e, f in pure.items():
         if f.full is None:
-            partial = partial | {e}
-    return Carrier(lost, partial - lost, pure)
+            partial |= 1 << e
+    return Carrier(lost, partial & ~lost, pure)
 
 
 def flat_args(args: tuple, kwargs: dict) -> Iterator[Any]:

@@ -272,12 +272,12 @@ def _combine(
     lost, partial = merge_general([ca, cb])
     pure: dict[int, Facet] = {}
     for e in set(ca.pure) | set(cb.pure):
-        if e in lost:
+        if lost >> e & 1:
             continue
         fa, fb = ca.pure.get(e), cb.pure.get(e)
         f = _combine_facet(ctx, op, e, fa, fb, a, b, out_shape, alpha)
         if f is None:
-            lost = lost | {e}
+            lost |= 1 << e
         elif f is not _CANCELLED:
             pure[e] = f
     return finish(lost, partial, pure)
@@ -403,7 +403,7 @@ def propagate_power(degree_of: Callable[[OpCall], Fraction | None]) -> Callable[
             if f.kind == SCALE:
                 pure[e] = f._replace(degree=f.degree * k)
             else:
-                lost = lost | {e}
+                lost |= 1 << e
         return finish(lost, partial, pure)
 
     return rule
@@ -434,7 +434,7 @@ def propagate_dropout(ctx: OpCall) -> Carrier:
         if f.kind == SCALE:
             pure[e] = f  # the mask multiplies, the factor stays
         else:
-            lost = lost | {e}
+            lost |= 1 << e
     return finish(lost, partial, pure)
 
 
@@ -497,12 +497,12 @@ def propagate_reduce(kind: str) -> Callable[[OpCall], Carrier]:
             if f.kind == SCALE:
                 # logsumexp(lambda x) is not lambda logsumexp(x); the rest are homogeneous
                 if kind not in ("mean", "sum", "max", "var", "std", "norm"):
-                    lost = lost | {e}
+                    lost |= 1 << e
                     continue
                 degree = f.degree * (2 if kind == "var" else 1)
                 full = None if (f.full is None or crosses) else remap(f.full)
                 if full is None and not f.uniform:
-                    lost = lost | {e}
+                    lost |= 1 << e
                     continue
                 pure[e] = Facet(SCALE, full, f.uniform, degree, f.approx)
             else:
@@ -512,12 +512,12 @@ def propagate_reduce(kind: str) -> Callable[[OpCall], Carrier]:
                         continue
                     if f.uniform:
                         ctx.tracker.absorb(ctx, e, f, "hand-written variance", reduced, False)
-                        partial = partial | {e}
+                        partial |= 1 << e
                         continue
-                    lost = lost | {e}
+                    lost |= 1 << e
                     continue
                 if kind == "norm":
-                    lost = lost | {e}
+                    lost |= 1 << e
                     continue
                 full = None if f.full is None else remap(f.full)
                 same_value = kind in ("mean", "max", "lse") and not crosses and f.full is not None
@@ -566,7 +566,7 @@ def _matmul_carrier(
     lost, partial = merge_general([ca, cb])
     pure: dict[int, Facet] = {}
     for e in set(ca.pure) | set(cb.pure):
-        if e in lost:
+        if lost >> e & 1:
             continue
         fa, fb = ca.pure.get(e), cb.pure.get(e)
         if fa is not None and fb is not None:
@@ -579,11 +579,11 @@ def _matmul_carrier(
                     fa.degree + fb.degree,
                 )
                 if product.full is None and not product.uniform:
-                    lost = lost | {e}
+                    lost |= 1 << e
                     continue
                 pure[e] = product
             else:
-                lost = lost | {e}
+                lost |= 1 << e
             continue
         f = fa if fa is not None else fb
         assert f is not None
@@ -592,14 +592,14 @@ def _matmul_carrier(
         if f.kind == SCALE:
             full = None if f.full is None else mapping(f.full)
             if full is None and not f.uniform:
-                lost = lost | {e}
+                lost |= 1 << e
                 continue
             pure[e] = f._replace(full=full)
             continue
         # shift: (A + s) B = AB + sB varies along m and B's batch dims; A (B + s) = AB + As
         # varies along n and A's batch dims, and along m only if s does.
         if f.full is None:
-            lost = lost | {e}
+            lost |= 1 << e
             continue
         if on_a:
             full = (
@@ -682,9 +682,9 @@ def propagate_multilinear(ctx: OpCall) -> Carrier:
             if f.kind == SCALE and f.uniform:
                 degree[e] = degree.get(e, ZERO) + f.degree
             else:
-                lost = lost | {e}
+                lost |= 1 << e
     for e, k in degree.items():
-        if e not in lost:
+        if not lost >> e & 1:
             pure[e] = Facet(SCALE, None, True, k)
     return finish(lost, partial, pure)
 
@@ -711,7 +711,7 @@ def propagate_conv(ctx: OpCall) -> Carrier:
         fx, fw = cx.pure.get(e), cw.pure.get(e)
         facets = [f for f in (fx, fw) if f is not None]
         if any(f.kind != SCALE for f in facets):
-            lost = lost | {e}
+            lost |= 1 << e
             continue
         full_x = (
             None if fx is None else (fx.full if fx.full is not None and fx.full <= {0} else None)
@@ -725,7 +725,7 @@ def propagate_conv(ctx: OpCall) -> Carrier:
             full = full_x if fx is not None else full_w
         uniform = all(f.uniform for f in facets)
         if full is None and not uniform:
-            lost = lost | {e}
+            lost |= 1 << e
             continue
         pure[e] = Facet(
             SCALE,
@@ -757,7 +757,7 @@ def add_term(left: Carrier, right: Carrier) -> Carrier:
             if f.kind == SCALE:
                 f = None
         if f is None:
-            lost = lost | {e}
+            lost |= 1 << e
         else:
             pure[e] = f
     return finish(lost, partial, pure)
@@ -785,7 +785,7 @@ def mul_term(left: Carrier, right: Carrier, right_varying: frozenset[int]) -> Ca
             assert fb is not None
             f = fb if fb.kind == SCALE else None
         if f is None:
-            lost = lost | {e}
+            lost |= 1 << e
         else:
             pure[e] = f
     return finish(lost, partial, pure)
@@ -803,7 +803,7 @@ def propagate_embedding(ctx: OpCall) -> Carrier:
     for e, f in cw.pure.items():
         full = None if f.full is None or 0 in f.full else (last if f.full else frozenset())
         if full is None and not f.uniform:
-            lost = lost | {e}
+            lost |= 1 << e
             continue
         pure[e] = f._replace(full=full, tag=new_tag() if f.kind == SHIFT else 0)
     return finish(lost, partial, pure)

@@ -85,12 +85,12 @@ def _cancel(
                 continue
             if f.uniform:
                 ctx.tracker.absorb(ctx, e, f, op, over, False)
-                partial = partial | {e}
+                partial |= 1 << e
                 continue
         elif (f.kind == SCALE and keep_scale) or (f.kind == SHIFT and keep_shift):
             pure[e] = f
             continue
-        lost = lost | {e}
+        lost |= 1 << e
     return finish(lost, partial, pure)
 
 
@@ -247,11 +247,11 @@ def _propagate_sdpa(ctx: OpCall) -> Carrier:
             mapped = map_facet(f, vmap)
             if f.kind == SCALE or dropout_p == 0:
                 if mapped.full is None and not mapped.uniform:
-                    lost = lost | {e}
+                    lost |= 1 << e
                 else:
                     pure[e] = mapped
             else:
-                lost = lost | {e}
+                lost |= 1 << e
         cv = finish(lost, partial, pure)
     plain = general([ctx.c(q), keys, ctx.c(mask)])
     return add_term(plain, cv) if cv.pure else general([plain, cv])
