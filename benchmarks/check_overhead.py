@@ -12,9 +12,11 @@ each figure is the median of the per-pair ratios.
 A second, *dispatch-bound* case follows: the same GPT-2 code at 12 layers of width
 64, batch 2x32, one thread. Its kernels are tiny, so a step costs what Python and
 torch's dispatch cost per op, as on a GPU: there the tracer's cost per intercepted
-call is what `check` adds. `--case` runs one of the two only.
+call is what `check` adds. `--case` runs one of the two only; `--layers` sets the
+dispatch-bound model's depth.
 
     python benchmarks/check_overhead.py [--pairs 15] [--threads 2] [--case 20m|dispatch|all]
+        [--layers 12]
 """
 
 from __future__ import annotations
@@ -85,6 +87,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--case", choices=("20m", "dispatch", "all"), default="all")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=12,
+        help="depth of the dispatch-bound model (the structure pass's per-call cost "
+        "must not grow with it)",
+    )
     args = parser.parse_args()
 
     if args.case in ("20m", "all"):
@@ -101,9 +110,9 @@ def main() -> None:
         compare(variants, ids, args.pairs, args.threads, f"batch {args.batch}x{args.seq}")
 
     if args.case in ("dispatch", "all"):
-        # Dispatch-bound: 12 layers of width 64, batch 2x32, one thread.
+        # Dispatch-bound: 12 layers of width 64 (or --layers), batch 2x32, one thread.
         torch.set_num_threads(1)
-        model, ids = build(2, 32, width=64, layers=12, heads=4)
+        model, ids = build(2, 32, width=64, layers=args.layers, heads=4)
         print()
         compare({"healthy": (model, None)}, ids, args.pairs, 1, "batch 2x32, dispatch-bound")
 
