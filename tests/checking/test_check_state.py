@@ -595,3 +595,24 @@ def test_a_version_counter_that_cannot_be_put_back_is_said_in_the_subject(
     assert re.search(r"version counters of ([3-9]|\d\d+) tensor\(s\) could not be put back", note)
     monkeypatch.undo()
     assert "state_note" not in deadweight.check(model, loss_fn).subject
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex128]
+)
+def test_a_write_no_tracer_sees_is_caught_in_every_dtype(dtype: torch.dtype) -> None:
+    """The checksums at entry and at the end read the parameters' memory through integer
+    views made once: a write between them, even one torch never sees (raw memory, as an
+    extension kernel writes), must show in every dtype, including complex128 (two int64
+    per element) in a transposed, non-contiguous layout."""
+    import ctypes
+
+    from deadweight.checking.state import ParamGuard
+
+    base = torch.randn(3, 5).to(dtype)
+    written = nn.Parameter(base.t())  # non-contiguous
+    kept = nn.Parameter(torch.randn(4).to(dtype))
+    guard = ParamGuard([("written", written), ("kept", kept)])
+    ctypes.memset(written.data_ptr(), 0, written.element_size())  # one element, untraced
+    writes = guard.writes()
+    assert [(w.name, w.how, w.restored) for w in writes] == [("written", "unseen", False)]

@@ -87,7 +87,10 @@ class ParamGuard:
         self._copies: dict[int, torch.Tensor] = {}
         self._seen: dict[int, tuple[str, str | None, Site | None]] = {}
         self._changed: list[tuple[int, torch.Tensor]] = []  # (index, 0-d bool on the device)
-        self._before = _checksums(self._aliases)
+        # the aliases' memory as integers, viewed once for the checksums at entry and
+        # at the end
+        self._alias_bits = [_bits(a) for a in self._aliases]
+        self._before = _checksums(self._alias_bits)
 
     def reset_rng(self) -> None:
         if self._rng is not None:
@@ -128,7 +131,7 @@ class ParamGuard:
     def writes(self) -> list[ParamWrite]:
         """After the last `restore`: every parameter whose values a forward changed, one
         transfer for the lot. The checksums taken at entry catch what no tracer saw."""
-        after = _checksums(self._aliases)
+        after = _checksums(self._alias_bits)
         changed_by_seen = _any_per_index(self._changed, len(self._params))
         unseen = _unequal(self._before, after)
         out = []
@@ -219,43 +222,45 @@ _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor | None:
-    """`t`'s memory as integers of its element size (no copy); None where impossible
-    (sparse, quantized, complex128 with a strided last dim, a subclass without storage)."""
+    """`t`'s memory as integers of its element size, a view that follows later writes;
+    None where impossible (sparse, quantized, a subclass without storage)."""
     t = _local(t)
     try:
         if t.element_size() in _INT_OF_SIZE:
             return t.view(_INT_OF_SIZE[t.element_size()])
-        return t.reshape(-1).view(torch.int64)  # complex128: two int64 per element
+        # complex128: two int64 per element, through a float64 view (no copy, any strides)
+        return torch.view_as_real(t).view(torch.int64)
     except (RuntimeError, TypeError, NotImplementedError):
         return None
 
 
-def _checksums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-    """Per tensor, the wrapping sum of its bit patterns, left on its device (no sync).
+def _checksums(bit_views: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Per tensor (given as its `_bits`), the wrapping sum of its bit patterns, left on
+    its device (no sync).
 
     One memory pass per tensor, at the speed of a plain sum (an int64 accumulator over
     int32 bits is 10x slower on CPU, so each sum stays in its own width and wraps).
     Any change of a single element changes it; what it can miss is a rearrangement of
     the same values, or changes whose bit patterns cancel exactly.
     """
-    out: list[torch.Tensor | None] = []
     with torch.no_grad():
-        for t in tensors:
-            bits = _bits(t)
-            out.append(None if bits is None else bits.sum(dtype=bits.dtype))
-    return out
+        return [None if bits is None else bits.sum(dtype=bits.dtype) for bits in bit_views]
 
 
 def _unequal(before: list[torch.Tensor | None], after: list[torch.Tensor | None]) -> set[int]:
     """Indices whose checksums differ: one device-to-host transfer per device."""
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for k, (a, b) in enumerate(zip(before, after, strict=True)):
         if a is not None and b is not None and a.device == b.device:
-            by_device.setdefault(a.device, []).append((k, (a != b).reshape(())))
+            by_device.setdefault(a.device, []).append((k, a, b))
     changed: set[int] = set()
     for rows in by_device.values():
-        flags = torch.stack([f for _, f in rows]).tolist()  # the one sync per device
-        changed.update(k for (k, _), f in zip(rows, flags, strict=True) if f)
+        # One comparison for all: stacking widens every sum to the widest integer
+        # type, which keeps each value exactly, so equal stays equal.
+        was = torch.stack([a for _, a, _ in rows])
+        now = torch.stack([b for _, _, b in rows])
+        flags = (was != now).tolist()  # the one sync per device
+        changed.update(k for (k, _, _), f in zip(rows, flags, strict=True) if f)
     return changed
 
 
