@@ -81,13 +81,15 @@ def measure_grad_flow(
     run = _Run(model, loss_fn, named, shards)
     unrestored_versions()  # count this check's failures only
     with preserved(model) as guard, torch.inference_mode(False), torch.enable_grad():
-        traced = _trace(run, guard)
-        flow = _backward_step(run, traced)
-        # What the forward wrote to parameters goes back before any re-run, so the
-        # probes re-run the forward from the values the checked one started from.
-        guard.restore()
-        cuts = flow.cuts + _collect_cuts(run, traced, flow)
-        probed = _statistics_and_probes(run, traced, flow, guard)
+        with _collection_paused():
+            traced = _trace(run, guard)
+            flow = _backward_step(run, traced)
+            # What the forward wrote to parameters goes back before any re-run, so the
+            # probes re-run the forward from the values the checked one started from.
+            guard.restore()
+            cuts = flow.cuts + _collect_cuts(run, traced, flow)
+            gradients = _gradient_statistics(run, traced, flow)
+        probed = _statistics_and_probes(run, traced, flow, guard, gradients)
     param_writes = guard.writes()
     if param_writes:
         log.debug("the forward wrote to parameters: %s", param_writes)
@@ -135,11 +137,13 @@ class _Traced:
 
 @contextlib.contextmanager
 def _collection_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the traced forward. The structure pass
-    allocates many small short-lived objects per call (carriers, sets, facets), which
-    triggered collections that each scanned the whole heap (model, framework): about a
-    sixth of check's time on a dispatch-bound 12-layer GPT-2. Nothing the forward
-    leaves behind is lost: collection resumes when the forward returns."""
+    """Python's cyclic garbage collector off for the traced forward, its backward and
+    the reading of its cuts. The structure pass allocates many small short-lived
+    objects per call (carriers, facets), which triggered collections that each scanned
+    the whole heap (model, framework): about a sixth of check's time on a
+    dispatch-bound 12-layer GPT-2; resumed right after the forward, the collection
+    then due still scanned everything the pass held until the backward freed it.
+    Nothing is lost: collection resumes before any re-run of the loss function."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -161,7 +165,7 @@ def _trace(run: _Run, guard: ParamGuard) -> _Traced:
         structure=run.structure,
     )
     try:
-        with _collection_paused(), modules, tracer:
+        with modules, tracer:
             raw = run.loss_fn()
     except Exception as exc:
         raise LossFnError(
@@ -265,34 +269,48 @@ class _Probed:
     gated_by: dict[str, tuple[str, ...]] = field(default_factory=dict)  # zero gradient -> gates
 
 
+@dataclass
+class _Gradients:
+    value: float  # the loss
+    stats: dict[str, GradStats]  # per parameter with a gradient
+    failed: bool  # backward failed: what the statistics show is not the whole story
+
+
+def _gradient_statistics(run: _Run, traced: _Traced, flow: BackwardReach) -> _Gradients:
+    """The loss and the gradient statistics, in one transfer; under FSDP2 those of the
+    whole parameters, summed over the ranks' shards (`sharded_flow`)."""
+    value = float(traced.loss.detach().float().item())
+    failed = flow.error is not None
+    if run.shards is not None:
+        value, stats, failed = sharded_flow.whole_statistics(run.shards, run.trainable, flow, value)
+        return _Gradients(value, stats, failed)
+    with_grad = [(n, p) for n, p in run.trainable if p.grad is not None]
+    stats = dict(
+        zip(
+            [n for n, _ in with_grad],
+            invariance.grad_stats([p for _, p in with_grad]),
+            strict=True,
+        )
+    )
+    return _Gradients(value, stats, failed)
+
+
 def _statistics_and_probes(
-    run: _Run, traced: _Traced, flow: BackwardReach, guard: ParamGuard
+    run: _Run, traced: _Traced, flow: BackwardReach, guard: ParamGuard, gradients: _Gradients
 ) -> _Probed:
-    """Gradient statistics, then the structure pass's candidates confirmed and the
-    numerical screens' candidates probed by re-running the forward. Under FSDP2 the
-    statistics are the whole parameters' and every re-run is made by all ranks
-    together (`sharded_flow`)."""
+    """The structure pass's candidates confirmed and the numerical screens' candidates
+    probed by re-running the forward, from the gradient statistics. Under FSDP2 every
+    re-run is made by all ranks together (`sharded_flow`)."""
     loss = traced.loss
-    value = float(loss.detach().float().item())
+    value, stats, failed = gradients.value, gradients.stats, gradients.failed
     loss_eps = _screen_eps(loss)
     rerun = invariance.rerun_of(run.loss_fn, guard)
     capturing = _capturing_rerun(run.loss_fn, guard)
     agree: cancellation_confirmation.Agree | None = None
-    failed = flow.error is not None
     if run.shards is not None:
-        value, stats, failed = sharded_flow.whole_statistics(run.shards, run.trainable, flow, value)
         rerun = sharded_flow.on_all_ranks(run.model, run.shards, rerun)
         capturing = sharded_flow.capturing_on_all_ranks(run.model, run.shards, capturing)
         agree = sharded_flow.agreement(run.shards)
-    else:
-        with_grad = [(n, p) for n, p in run.trainable if p.grad is not None]
-        stats = dict(
-            zip(
-                [n for n, _ in with_grad],
-                invariance.grad_stats([p for _, p in with_grad]),
-                strict=True,
-            )
-        )
     with_grad = [(n, p) for n, p in run.trainable if n in stats]
     runnable = not failed and math.isfinite(value)
     structural = _structure_verdict(
