@@ -83,7 +83,7 @@ class Carrier(NamedTuple):
         return bool((self.lost | self.partial) >> entity & 1) or entity in self.pure
 
     def all_entities(self) -> int:
-        """lost and pure entities, as bits"""
+        """The lost and the pure entities, as a bit set."""
         return self.lost | bits_of(self.pure)
 
 

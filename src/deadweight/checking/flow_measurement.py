@@ -271,6 +271,8 @@ class _Probed:
 
 @dataclass
 class _Gradients:
+    """What the checked backward left: the loss and the gradients' statistics."""
+
     value: float  # the loss
     stats: dict[str, GradStats]  # per parameter with a gradient
     failed: bool  # backward failed: what the statistics show is not the whole story

@@ -120,9 +120,9 @@ def _stat_rows(params: Sequence[torch.Tensor]) -> list[list[float]]:
 def _stat_rows_at_once(params: Sequence[torch.Tensor]) -> list[list[float]]:
     """The same rows with the norms and products taken over all parameters at once
     (torch._foreach_*: a third of the calls, each the same kernel per tensor on CPU);
-    the last column counts nonzero gradient entries (0 exactly when none is). Under
-    no_grad, float32 tensors are used as they are: a detach and a cast per tensor were
-    a third of the calls left, each a dispatch that costs what a tiny kernel does."""
+    the last column is the largest gradient magnitude (0 exactly when every entry is).
+    Under no_grad, float32 tensors are used as they are: a detach and a cast per tensor
+    were a third of the calls left, each a dispatch that costs what a tiny kernel does."""
     with torch.no_grad():
         grads = []
         for p in params:
