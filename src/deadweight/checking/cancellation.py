@@ -165,9 +165,16 @@ class StructureTracker:
     def _carries_any(self, args: tuple, kwargs: dict) -> bool:
         """Whether any argument carries a parameter's effect (`carrier` is not EMPTY),
         without making the carriers: most calls of a forward take none."""
-        for value in flat_args(args, kwargs):
-            if isinstance(value, Tensor) and self.carrier(value) is not EMPTY:
-                return True
+        carrier = self.carrier
+        for group in (args, kwargs.values()) if kwargs else (args,):
+            for value in group:  # `flat_args`, unrolled: this runs for every traced call
+                if isinstance(value, Tensor):
+                    if carrier(value) is not EMPTY:
+                        return True
+                elif isinstance(value, (list, tuple)):
+                    for v in value:
+                        if isinstance(v, Tensor) and carrier(v) is not EMPTY:
+                            return True
         return False
 
     def _stand_in_index(self, leaf: Tensor) -> int | None:

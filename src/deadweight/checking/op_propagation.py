@@ -107,8 +107,10 @@ def propagate_same(ctx: OpCall) -> Carrier:
 
 
 def propagate_reshape(ctx: OpCall) -> Carrier:
-    shapes = _first_shape(ctx)
     c = ctx.c(ctx.args[0])
+    if not c.pure:
+        return c  # dependences only: no dims to map
+    shapes = _first_shape(ctx)
     if shapes is None:
         return general([c])
     i, o = shapes
