@@ -407,6 +407,34 @@ def test_a_call_the_pass_cannot_see_into_leaves_the_parameter_to_the_screens():
     assert stats.invariance[("scalar", "scale")].invariant
 
 
+def test_a_free_mean_cancelled_later_does_not_make_its_parameter_opaque():
+    """A shift whose mean one norm absorbs (a free mean, never reported) is still
+    followed exactly afterwards: a BatchNorm that then cancels it fully removes it, so
+    the call the pass cannot see into, fed only by that BatchNorm, does not take the
+    parameter out of the pass's hands (it would then go to the numerical screens,
+    whose verdict on a coupling of 1e-11 is a false "does not depend")."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = nn.Parameter(torch.randn(6))
+            self.bn = nn.BatchNorm1d(6, affine=False)
+            self.w = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            lat = self.p.expand(8, 6)
+            a = F.layer_norm(lat + 0.0 * x, (6,))  # p's shift: its mean absorbed here
+            y = Opaque.apply(self.bn(lat * 2.0))  # BatchNorm cancels p's scale and shift
+            weak = (a * x).sum() + (torch.tanh(lat) * x).sum()
+            return 1e-11 * weak + 0.0 * (y * x).sum() + (self.w(x) ** 2).sum()
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(8, 6)
+    stats = measure_grad_flow(model, lambda: model(x))
+    assert "p" not in stats.unstructured
+    assert not deadweight.check(model, lambda: model(x)).findings
+
+
 def test_a_scale_cancelled_before_a_call_the_pass_cannot_see_into_still_holds():
     # Megatron's shape: the final norm, then an output projection in an autograd.Function
     # (ColumnParallelLinear). The scalar's scale ends at the norm; only its shift (a

@@ -62,7 +62,6 @@ from deadweight.checking.carrier_algebra import (
     Facet,
     all_dims,
     bits,
-    bits_of,
     flat_args,
     general,
     new_tag,
@@ -192,27 +191,11 @@ class StructureTracker:
 
     def _set(self, out: object, c: Carrier) -> None:
         if isinstance(out, Tensor):
-            if c.pure and self._free_means and not self._free_means.isdisjoint(c.pure):
-                c = self._without_free_means(c)
             if c.lost or c.partial or c.pure:
                 self._carriers.set(out, c)
                 self._coarsen(c, out)
             else:
                 self._carriers.discard(out)
-
-    def _without_free_means(self, c: Carrier) -> Carrier:
-        """`c` with the shifts whose mean some call already absorbed as a free mean
-        turned into plain dependences. `result` never reports such a shift, so its exact
-        form no longer matters; following it stays a dependence (the parameter still
-        reaches what it reached). In a transformer every bias and embedding is one
-        after the first LayerNorm, and the residual stream carried them all, layer
-        after layer, through every op of every block."""
-        free = self._free_means
-        dead = bits_of(e for e in c.pure if e in free)
-        lost = c.lost | dead
-        return Carrier(
-            lost, c.partial & ~lost, {e: f for e, f in c.pure.items() if not dead >> e & 1}
-        )
 
     def _coarsen(self, c: Carrier, value: Tensor) -> None:
         """Note that the pure effects of `c` now sit in `value`'s dtype."""
