@@ -54,9 +54,8 @@ def parameter_roles(model: nn.Module) -> dict[str, tuple[str, str]]:
     """name -> (role, owner module class) for every parameter, tied ones once."""
     owners: dict[int, tuple[nn.Module, str]] = {}
     for _, module in model.named_modules():
-        for local, p in module._parameters.items():  # named_parameters(recurse=False)
-            if p is not None:
-                owners.setdefault(id(p), (module, local))
+        for local, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), (module, local))
     roles = {}
     for name, p in model.named_parameters():
         # By identity: the name need not be the module path and the local name joined
