@@ -137,13 +137,16 @@ class _Traced:
 
 @contextlib.contextmanager
 def _collection_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the traced forward, its backward and
-    the reading of its cuts. The structure pass allocates many small short-lived
-    objects per call (carriers, facets), which triggered collections that each scanned
-    the whole heap (model, framework): about a sixth of check's time on a
-    dispatch-bound 12-layer GPT-2; resumed right after the forward, the collection
-    then due still scanned everything the pass held until the backward freed it.
-    Nothing is lost: collection resumes before any re-run of the loss function."""
+    """Python's cyclic garbage collector off for the traced forward, its backward, the
+    restore of what the forward wrote, the reading of its cuts and the gradient
+    statistics. The structure pass allocates many small short-lived objects per call
+    (carriers, facets), which triggered collections that each scanned the whole heap
+    (model, framework): about a sixth of check's time on a dispatch-bound 12-layer
+    GPT-2; resumed right after the forward, the collection then due still scanned
+    everything the pass held until the backward freed it. Nothing is lost: collection
+    resumes before any re-run of the loss function (the only user code inside is the
+    one forward, and what a backward runs: hooks, autograd Functions, a checkpointed
+    segment's recomputation)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
