@@ -523,22 +523,22 @@ def _may_write(func: Any) -> bool:
     except TypeError:  # an unhashable callable
         return True
     if known is None:
-        name = getattr(func, "__name__", "")
         known = _MAY_WRITE[func] = (
-            (name.endswith("_") and not name.endswith("__"))
-            or name in _INPLACE_DUNDERS
-            or func is F.embedding
-            or getattr(func, "__self__", None) is _DATA
+            _in_place_name(func) or func is F.embedding or getattr(func, "__self__", None) is _DATA
         )
     return known
 
 
+def _in_place_name(func: Any) -> bool:
+    """Whether `func` is named as an in-place op (`mul_`, `torch._foreach_add_`) or an
+    in-place operator (`__iadd__`, `__setitem__`)."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+
+
 def _writes_in_place(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether a call may write to its tensor arguments (in-place ops, out=, renorming)."""
-    name = getattr(func, "__name__", "")
-    if (name.endswith("_") and not name.endswith("__")) or "out" in kwargs:
-        return True
-    if name in _INPLACE_DUNDERS:
+    if _in_place_name(func) or "out" in kwargs:
         return True
     # F.embedding(max_norm=...) renormalises rows of its weight in place, inside the
     # call, where a mode no longer sees the in-place op.
@@ -571,8 +571,7 @@ def _write_targets(func: Any, args: tuple, kwargs: dict) -> Iterator[Tensor]:
         yield from (
             o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, Tensor)
         )
-    name = getattr(func, "__name__", "")
-    if args and ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS):
+    if args and _in_place_name(func):
         first = args[0]
         for value in first if isinstance(first, (list, tuple)) else [first]:
             if isinstance(value, Tensor):
