@@ -196,10 +196,8 @@ def general(carriers: Iterable[Carrier]) -> Carrier:
     """Every effect turned into a plain dependence."""
     lost = partial = 0
     for c in carriers:
-        lost |= c.lost
+        lost |= c.all_entities()
         partial |= c.partial
-        for e in c.pure:
-            lost |= 1 << e
     return Carrier(lost, partial & ~lost)
 
 
