@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from deadweight.checking.check_stats import ParamWrite, Site
+from deadweight.distributed.ranks import local_tensor
 
 
 def versions_of(tensors: Sequence[torch.Tensor]) -> list[int | None]:
@@ -224,7 +225,7 @@ _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def _bits(t: torch.Tensor) -> torch.Tensor | None:
     """`t`'s memory as integers of its element size, a view that follows later writes;
     None where impossible (sparse, quantized, a subclass without storage)."""
-    t = _local(t)
+    t = local_tensor(t)
     try:
         if t.element_size() in _INT_OF_SIZE:
             return t.view(_INT_OF_SIZE[t.element_size()])
@@ -293,16 +294,10 @@ def _same_data(p: torch.Tensor, alias: torch.Tensor) -> bool:
             p.shape == alias.shape
             and p.dtype == alias.dtype
             and p.device == alias.device
-            and _local(p).data_ptr() == _local(alias).data_ptr()
+            and local_tensor(p).data_ptr() == local_tensor(alias).data_ptr()
         )
     except (RuntimeError, TypeError, NotImplementedError):
         return True  # nothing to compare (no storage): leave it
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The part of a (possibly DTensor) tensor that lives on this rank."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 # -- buffers and RNG ------------------------------------------------------------------
