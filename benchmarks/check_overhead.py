@@ -95,6 +95,8 @@ def main() -> None:
         "must not grow with it)",
     )
     args = parser.parse_args()
+    if args.layers < 1:
+        parser.error(f"--layers must be at least 1, got {args.layers}")
 
     if args.case in ("20m", "all"):
         torch.set_num_threads(args.threads)
