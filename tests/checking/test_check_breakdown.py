@@ -24,11 +24,11 @@ def _breakdown() -> ModuleType:
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(BENCHMARKS))
+    saved = list(sys.path)  # the script puts its folder on the path to import check_overhead
     try:
         spec.loader.exec_module(module)
     finally:
-        sys.path.remove(str(BENCHMARKS))
+        sys.path[:] = saved
     return module
 
 
