@@ -67,18 +67,19 @@ PHASES = (
     "_statistics_and_probes",
     "_assemble",
 )
+# every timed step of a check, in the order they run
 LABELS = {
     "_validated_params": "validate the parameters",
+    "__post_init__": "parameter index and structure tracker",
     "preserved_enter": "snapshot (modes, buffers, grads, RNG, checksums)",
     "_trace": "traced forward",
     "_backward_step": "backward",
     "_collect_cuts": "cuts and module records",
     "_gradient_statistics": "gradient statistics",
     "_statistics_and_probes": "structure verdict and probes",
-    "writes": "parameter-write checksums",
     "restore": "parameter values put back (after backward, at exit)",
     "preserved_exit": "grads, buffers, modes and RNG put back",
-    "__post_init__": "parameter index and structure tracker",
+    "writes": "parameter-write checksums",
     "_assemble": "assembly (roles, per-parameter records)",
 }
 
@@ -101,7 +102,7 @@ class Counting(PassThrough):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         self.calls += 1
-        return func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def ladder(
@@ -125,15 +126,12 @@ def ladder(
         with ModuleTracer(model), PassThrough():
             return loss_fn()
 
-    def op_tracer() -> Any:
+    def traced(with_structure: bool) -> Any:
         modules = ModuleTracer(model)
-        with modules, OpTracer(modules.current, params=params, before_param_write=ignore_write):
-            return loss_fn()
-
-    def structure() -> Any:
-        modules = ModuleTracer(model)
-        tracker = cancellation.StructureTracker(dict(params), names)
-        tracker.set_module_lookup(modules.current)
+        tracker = None
+        if with_structure:
+            tracker = cancellation.StructureTracker(dict(params), names)
+            tracker.set_module_lookup(modules.current)
         tracer = OpTracer(
             modules.current, params=params, before_param_write=ignore_write, structure=tracker
         )
@@ -144,8 +142,8 @@ def ladder(
         "plain forward": plain,
         "+ pass-through mode": mode,
         "+ module hooks": hooks,
-        "+ op tracer": op_tracer,
-        "+ structure pass": structure,
+        "+ op tracer": functools.partial(traced, False),
+        "+ structure pass": functools.partial(traced, True),
     }
 
 
@@ -275,15 +273,15 @@ def phases_timed() -> Iterator[dict[str, list[float]]]:
         inside = sum(acc["restore"][restores:])
         acc["preserved_exit"].append(time.thread_time() - start - inside)
 
-    for name in PHASES:
-        wrap(flow_measurement, name, name)
-    wrap(flow_measurement._Run, "__post_init__", "__post_init__")
-    wrap(flow_measurement.ParamGuard, "writes", "writes")
-    wrap(flow_measurement.ParamGuard, "restore", "restore")
-    wrap(api, "measure_grad_flow", "measure_grad_flow")
-    saved.append((flow_measurement, "preserved", preserved))
-    flow_measurement.preserved = preserved_timed  # type: ignore[assignment]
-    try:
+    try:  # a step not found stops the script with every step wrapped so far put back
+        for name in PHASES:
+            wrap(flow_measurement, name, name)
+        wrap(flow_measurement._Run, "__post_init__", "__post_init__")
+        wrap(flow_measurement.ParamGuard, "writes", "writes")
+        wrap(flow_measurement.ParamGuard, "restore", "restore")
+        wrap(api, "measure_grad_flow", "measure_grad_flow")
+        saved.append((flow_measurement, "preserved", preserved))
+        flow_measurement.preserved = preserved_timed  # type: ignore[assignment]
         yield acc
     finally:
         for owner, name, original in reversed(saved):
@@ -324,18 +322,8 @@ def part2(
         f"{step * 1e3:.2f} ms, check {whole * 1e3:.2f} ms ({ratio:.2f}x, median of the "
         "paired ratios). Its phases:"
     )
-    order = [
-        "_validated_params",
-        "__post_init__",
-        "preserved_enter",
-        *PHASES[1:-1],
-        "restore",
-        "preserved_exit",
-        "writes",
-        "_assemble",
-    ]
     named = 0.0
-    for key in order:
+    for key in LABELS:
         named += med.get(key, 0.0)
         print(f"   {LABELS[key]:<52} {med.get(key, 0.0) * 1e3:6.2f} ms")
     inside = med["measure_grad_flow"] - named

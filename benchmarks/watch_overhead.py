@@ -119,7 +119,9 @@ def added_calls(layers: int, steps: int = 40) -> tuple[int, float, list[tuple[st
     """Aten calls watch adds per step at the default cadence, on a GPT-2 of `layers`
     blocks (width 64): the tensor count, the calls per step, the largest kinds. The
     count is tests/watch_step_calls.py's, the one tests/watching/test_step_cost.py bounds."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # called once per depth
+        sys.path.insert(0, root)
     from tests.watch_step_calls import added_per_step
 
     tensors, added = added_per_step(layers, steps)
