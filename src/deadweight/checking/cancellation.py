@@ -199,8 +199,10 @@ class StructureTracker:
 
     def _coarsen(self, c: Carrier, value: Tensor) -> None:
         """Note that the pure effects of `c` now sit in `value`'s dtype."""
+        if not c.pure:
+            return
         u = unit_roundoff(value.dtype)
-        if u <= FLOAT32_ROUNDOFF or not c.pure:
+        if u <= FLOAT32_ROUNDOFF:
             return
         rounding = self._rounding
         for e in c.pure:
@@ -214,7 +216,12 @@ class StructureTracker:
         return n
 
     def observe(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        ordinal = self.count(name) if name in COUNTED else -1
+        if name in COUNTED:
+            ordinals = self.ordinals  # `count`, inlined: this runs for every traced call
+            ordinal = ordinals.get(name, 0)
+            ordinals[name] = ordinal + 1
+        else:
+            ordinal = -1
         if self.failed is not None:
             return
         try:
@@ -293,10 +300,7 @@ class StructureTracker:
         self, ctx: OpCall, entity: int, facet: Facet, op: str, dims: Iterable[int], full: bool
     ) -> None:
         if facet.kind == SHIFT and not full:
-            # A free mean, which `result` never reports (see there): noted, not recorded.
-            # Every LayerNorm frees the mean of each bias upstream of it, so these are
-            # most of what a transformer's norms absorb.
-            self._free_means.add(entity)
+            self.free_means((entity,))
             return
         if ctx.where is None:
             # Where the call ran, and its outputs' rounding: the same for every effect it
@@ -321,6 +325,12 @@ class StructureTracker:
             )
         )
         ctx.absorbed = True
+
+    def free_means(self, entities: Iterable[int]) -> None:
+        # A free mean, which `result` never reports (see there): noted, not recorded.
+        # Every LayerNorm frees the mean of each bias upstream of it, so these are most
+        # of what a transformer's norms absorb.
+        self._free_means.update(entities)
 
     # -- the verdict --------------------------------------------------------------
     def result(self, loss: Tensor, has_grad: Callable[[int], bool]) -> StructureResult:

@@ -115,7 +115,17 @@ def nontrivial(shape: Sequence[int], dims: Iterable[int]) -> frozenset[int]:
 
 
 def all_dims(shape: Sequence[int]) -> frozenset[int]:
-    return nontrivial(shape, range(len(shape)))
+    """The dims of `shape` longer than 1 (looked up: a forward has few distinct shapes)."""
+    key = tuple(shape)
+    found = _ALL_DIMS.get(key)
+    if found is None:
+        if len(_ALL_DIMS) > 4096:
+            _ALL_DIMS.clear()
+        found = _ALL_DIMS[key] = nontrivial(key, range(len(key)))
+    return found
+
+
+_ALL_DIMS: dict[tuple[int, ...], frozenset[int]] = {}
 
 
 def norm_dim(d: int, ndim: int) -> int:
@@ -179,9 +189,27 @@ def map_facet(f: Facet, mapping: Callable[[frozenset[int]], frozenset[int] | Non
 
 
 def map_carrier(c: Carrier, mapping: Callable[[frozenset[int]], frozenset[int] | None]) -> Carrier:
+    """Each pure facet's dims mapped (`mapping` is a pure function of the dims). The
+    facets of one tensor share few distinct dim sets (a parameter's scale and shift
+    share one, the residual stream's many effects vary along the same dims), so each
+    set is mapped once; a carrier that no mapping changes is returned as it is."""
     if not c.pure:
         return c
-    return Carrier(c.lost, c.partial, {e: map_facet(f, mapping) for e, f in c.pure.items()})
+    mapped: dict[frozenset[int], frozenset[int] | None] = {}
+    pure: dict[int, Facet] = {}
+    changed = False
+    for e, f in c.pure.items():
+        full = f.full
+        if full is not None:
+            if full in mapped:
+                new = mapped[full]
+            else:
+                new = mapped[full] = mapping(full)
+            if new != full:
+                f = Facet(f.kind, new, f.uniform, f.degree, f.approx, f.tag)
+                changed = True
+        pure[e] = f
+    return Carrier(c.lost, c.partial, pure) if changed else c
 
 
 def merge_general(carriers: Iterable[Carrier]) -> tuple[int, int]:

@@ -28,6 +28,7 @@ from deadweight.checking.carrier_algebra import (
     ZERO,
     Carrier,
     Facet,
+    all_dims,
     broadcast_map,
     finish,
     flat_args,
@@ -53,6 +54,9 @@ class CarrierSource(Protocol):
     def absorb(
         self, ctx: OpCall, entity: int, facet: Facet, op: str, dims: Iterable[int], full: bool
     ) -> None: ...
+
+    def free_means(self, entities: Iterable[int]) -> None:
+        """`absorb` of the shifts whose mean alone a call cancelled (full=False)."""
 
 
 class OpCall:
@@ -256,8 +260,14 @@ def _varying(value: Any, out_shape: Sequence[int]) -> frozenset[int]:
 def _aligned(value: Any, c: Carrier, out_shape: Sequence[int]) -> Carrier:
     if not c.pure or not isinstance(value, Tensor):
         return c
-    m = broadcast_map(value.shape, out_shape)
-    return map_carrier(c, lambda d: nontrivial(out_shape, (m(x) for x in d)))
+    offset = len(out_shape) - value.dim()
+    if offset == 0:
+        # Same rank (the usual operand): dims stay where they are; only those of size 1
+        # in the output drop out, and most facets have none.
+        kept = all_dims(out_shape)
+        if all(f.full is None or f.full <= kept for f in c.pure.values()):
+            return c
+    return map_carrier(c, lambda d: nontrivial(out_shape, [x + offset for x in d]))
 
 
 def _is_small_constant(value: Any) -> bool:
@@ -273,10 +283,23 @@ def _combine(
     cb = _aligned(b, ctx.c(b), out_shape)
     lost, partial = merge_general([ca, cb])
     pure: dict[int, Facet] = {}
-    for e in set(ca.pure) | set(cb.pure):
+    pa, pb = ca.pure, cb.pure
+    # A shift on one side of a sum passes unchanged (the same term added), unless it
+    # is the right operand's, scaled by - or by alpha: `_combine_facet`'s first case,
+    # taken here for the residual stream's many shifts without a call each.
+    additive = op in ("add", "sub")
+    b_kept = op == "add" and alpha in (None, 1)
+    for e in set(pa) | set(pb):
         if lost >> e & 1:
             continue
-        fa, fb = ca.pure.get(e), cb.pure.get(e)
+        fa, fb = pa.get(e), pb.get(e)
+        if additive:
+            if fb is None and fa is not None and fa.kind == SHIFT:
+                pure[e] = fa
+                continue
+            if fa is None and fb is not None and fb.kind == SHIFT and b_kept:
+                pure[e] = fb
+                continue
         f = _combine_facet(ctx, op, e, fa, fb, a, b, out_shape, alpha)
         if f is None:
             lost |= 1 << e
@@ -310,9 +333,13 @@ def _combine_facet(
                 scaled = (fb is not None and op == "sub") or (
                     fb is not None and alpha not in (None, 1)
                 )
-                return f._replace(tag=new_tag()) if scaled else f
+                return (
+                    Facet(SHIFT, f.full, f.uniform, f.degree, f.approx, new_tag()) if scaled else f
+                )
             # a scale plus an independent term: only an eps-like constant keeps it
-            return f._replace(approx=True) if _is_small_constant(other) else None
+            if not _is_small_constant(other):
+                return None
+            return Facet(f.kind, f.full, f.uniform, f.degree, True, f.tag)
         assert fa is not None and fb is not None
         if fa.kind != fb.kind:
             return None
@@ -335,7 +362,7 @@ def _combine_facet(
         assert f is not None
         if f.kind == SCALE:
             if op == "div" and fb is not None:
-                return f._replace(degree=-f.degree)
+                return Facet(SCALE, f.full, f.uniform, -f.degree, f.approx, f.tag)
             return f
         if op == "div" and fb is not None:
             return None  # 1 / (x + s)
@@ -388,7 +415,12 @@ def propagate_binary(op: str) -> Callable[[OpCall], Carrier]:
 
 def propagate_neg(ctx: OpCall) -> Carrier:
     c = ctx.c(ctx.args[0])
-    pure = {e: (f._replace(tag=new_tag()) if f.kind == SHIFT else f) for e, f in c.pure.items()}
+    pure = {
+        e: (
+            Facet(SHIFT, f.full, f.uniform, f.degree, f.approx, new_tag()) if f.kind == SHIFT else f
+        )
+        for e, f in c.pure.items()
+    }
     return Carrier(c.lost, c.partial, pure)
 
 
@@ -403,7 +435,7 @@ def propagate_power(degree_of: Callable[[OpCall], Fraction | None]) -> Callable[
         pure = {}
         for e, f in c.pure.items():
             if f.kind == SCALE:
-                pure[e] = f._replace(degree=f.degree * k)
+                pure[e] = Facet(SCALE, f.full, f.uniform, f.degree * k, f.approx, f.tag)
             else:
                 lost |= 1 << e
         return finish(lost, partial, pure)
@@ -596,7 +628,7 @@ def _matmul_carrier(
             if full is None and not f.uniform:
                 lost |= 1 << e
                 continue
-            pure[e] = f._replace(full=full)
+            pure[e] = Facet(SCALE, full, f.uniform, f.degree, f.approx, f.tag)
             continue
         # shift: (A + s) B = AB + sB varies along m and B's batch dims; A (B + s) = AB + As
         # varies along n and A's batch dims, and along m only if s does.
@@ -807,5 +839,7 @@ def propagate_embedding(ctx: OpCall) -> Carrier:
         if full is None and not f.uniform:
             lost |= 1 << e
             continue
-        pure[e] = f._replace(full=full, tag=new_tag() if f.kind == SHIFT else 0)
+        pure[e] = Facet(
+            f.kind, full, f.uniform, f.degree, f.approx, new_tag() if f.kind == SHIFT else 0
+        )
     return finish(lost, partial, pure)

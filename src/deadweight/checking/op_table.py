@@ -75,6 +75,7 @@ def _cancel(
     within `allowed` (None: outside `over`) are cancelled; the rest becomes plain."""
     lost, partial = c.lost, c.partial
     pure: dict[int, Facet] = {}
+    free_means = []
     for e, f in c.pure.items():
         if f.kind in kinds:
             fits = f.full is not None and (
@@ -84,13 +85,20 @@ def _cancel(
                 ctx.tracker.absorb(ctx, e, f, op, over, True)
                 continue
             if f.uniform:
-                ctx.tracker.absorb(ctx, e, f, op, over, False)
+                if f.kind == SHIFT:
+                    # only the mean is cancelled: noted in one call for all of them (every
+                    # norm on the residual stream frees the mean of each bias upstream)
+                    free_means.append(e)
+                else:
+                    ctx.tracker.absorb(ctx, e, f, op, over, False)
                 partial |= 1 << e
                 continue
         elif (f.kind == SCALE and keep_scale) or (f.kind == SHIFT and keep_shift):
             pure[e] = f
             continue
         lost |= 1 << e
+    if free_means:
+        ctx.tracker.free_means(free_means)
     return finish(lost, partial, pure)
 
 
@@ -99,6 +107,7 @@ def _affine(
 ) -> Carrier:
     """normed * weight + bias, weight and bias laid along the output dims `dims`."""
     result = normed
+    shape = out.shape
     for value, is_weight in ((weight, True), (bias, False)):
         if not isinstance(value, Tensor):
             continue
@@ -108,7 +117,7 @@ def _affine(
                 result = mul_term(result, EMPTY, nontrivial(out.shape, dims))
             continue
         laid = list(dims)[-value.dim() :] if value.dim() else []
-        mapped = map_carrier(cv, lambda d, laid=laid: nontrivial(out.shape, (laid[x] for x in d)))  # type: ignore[misc]
+        mapped = map_carrier(cv, lambda d, laid=laid: nontrivial(shape, [laid[x] for x in d]))  # type: ignore[misc]
         if is_weight:
             result = mul_term(result, mapped, nontrivial(out.shape, laid))
         else:
