@@ -19,7 +19,9 @@ from torch import nn
 
 import deadweight
 from deadweight import Severity
+from deadweight.checking.cancellation import _TensorCarriers
 from deadweight.checking.cancellation_confirmation import relative_change
+from deadweight.checking.carrier_algebra import EMPTY, Carrier
 from deadweight.checking.check_stats import GradFlowStats
 from deadweight.checking.flow_measurement import measure_grad_flow
 from tests.conftest import marker_line
@@ -582,3 +584,21 @@ def test_the_confirming_reruns_compare_the_ops_own_output(eps):
         relative_change(outputs[2], outputs[1]), rel=1e-3, abs=1e-9
     )
     assert evidence["op_output_growth"] < 0.1 * evidence["op_output_change"]
+
+
+def test_a_tensor_that_reuses_a_dead_ones_id_carries_nothing_from_it() -> None:
+    """Carriers outlive their tensors (one forward's worth); an entry is only read for
+    the very tensor it was made for."""
+    carriers = _TensorCarriers()
+    gone = torch.zeros(2)
+    carriers.set(gone, Carrier(lost=0b10))
+    ref = carriers.by_id[id(gone)][0]
+    del gone
+    assert ref() is None and len(carriers.by_id) == 1
+    live = torch.ones(2)
+    carriers.by_id[id(live)] = (ref, Carrier(lost=0b10))  # as if its id had been reused
+    assert carriers.get(live) is EMPTY
+    carriers.set(live, Carrier(lost=0b100))
+    assert carriers.get(live) == Carrier(lost=0b100)
+    carriers.discard(live)
+    assert carriers.get(live) is EMPTY

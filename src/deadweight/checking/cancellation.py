@@ -421,10 +421,13 @@ def _unique(records: list[_Absorbed]) -> tuple[Mechanism, ...]:
 
 class _TensorCarriers:
     """Carriers by tensor, held weakly: a dict by id, each entry with a weak reference
-    that tells a live tensor from a later one that reused its id, and drops the entry
-    when its tensor dies. (A WeakIdKeyDictionary built a weak key object on every
-    lookup, several per traced call; a plain `weakref.ref` is called in C, where
-    torch's WeakIdRef runs a Python `__call__`.)"""
+    that tells a live tensor from a later one that reused its id. (A WeakIdKeyDictionary
+    built a weak key object on every lookup, several per traced call; a plain
+    `weakref.ref` is called in C, where torch's WeakIdRef runs a Python `__call__`.)
+
+    An entry outlives its tensor: the tracker follows one forward, so they are at most
+    its carrying calls, and dropping each as its tensor died took a Python callback per
+    activation, most of them run inside the backward, when the saved tensors go."""
 
     def __init__(self) -> None:
         self.by_id: dict[int, tuple[weakref.ref[Tensor], Carrier]] = {}
@@ -436,15 +439,7 @@ class _TensorCarriers:
         return EMPTY
 
     def set(self, value: Tensor, carrier: Carrier) -> None:
-        key = id(value)
-        by_id = self.by_id
-
-        def drop(ref: weakref.ref[Tensor]) -> None:
-            entry = by_id.get(key)
-            if entry is not None and entry[0] is ref:
-                del by_id[key]
-
-        by_id[key] = (weakref.ref(value, drop), carrier)
+        self.by_id[id(value)] = (weakref.ref(value), carrier)
 
     def discard(self, value: Tensor) -> None:
         entry = self.by_id.get(id(value))
