@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -40,12 +39,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from detection_quality_parts import models, precision, recall
-from detection_quality_parts.common import finding_record
+from detection_quality_parts.common import finding_record, seed_everything
 
 import deadweight
 from deadweight.checking import cancellation
@@ -127,14 +125,6 @@ def logged(log: Log) -> Iterator[None]:
         tracker_cls.result = result  # type: ignore[method-assign]
 
 
-def seed_everything() -> None:
-    """Every random source a model may draw from before the check seeds its own:
-    wav2vec2's SpecAugment masks come from numpy's global generator."""
-    random.seed(0)
-    np.random.seed(0)
-    torch.manual_seed(0)
-
-
 def findings_of(report: Any) -> list[dict[str, Any]]:
     return [
         {k: v for k, v in finding_record(f).items() if k != "evidence"} for f in report.findings
@@ -185,7 +175,7 @@ def write(path: Path, selected: Iterable[tuple[str, Callable[[], Any]]]) -> int:
     with path.open("w") as out:
         for label, run in selected:
             log = Log()
-            seed_everything()
+            seed_everything(0)
             with logged(log):
                 try:
                     found: Any = run()

@@ -4,12 +4,14 @@ Trainer-style optimizer groups, findings as plain data, plain-text tables."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +34,15 @@ DTYPES: tuple[str, ...] = ("fp32", "bf16_autocast", "bf16", "fp16", "fsdp2_bf16"
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 LossFn = Callable[[], torch.Tensor]
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's global generators: models draw from all three
+    (wav2vec2, HuBERT and Whisper take their SpecAugment masks from numpy's), and a
+    figure that moves between two runs of one tree is no measurement."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 # ---------------------------------------------------------------------------------------

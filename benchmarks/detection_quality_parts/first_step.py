@@ -20,6 +20,7 @@ from detection_quality_parts.common import (
     REPO_SRC,
     finding_record,
     make_optimizer,
+    seed_everything,
     short_error,
     table,
 )
@@ -159,7 +160,7 @@ def run_first_step(case: FirstStep) -> dict[str, Any]:
         optimizer = make_optimizer(model)
         per_seed = []
         for seed in FIRST_STEP_SEEDS:
-            torch.manual_seed(seed)
+            seed_everything(seed)
             records = [
                 finding_record(f) for f in deadweight.check(model, loss_fn, optimizer).findings
             ]
@@ -177,7 +178,7 @@ def run_first_step(case: FirstStep) -> dict[str, Any]:
             "gated_by" in r["evidence"] for recs in per_seed for r in recs if r["code"] == "DW103"
         )
         if case.watch:
-            torch.manual_seed(0)
+            seed_everything(0)
             with deadweight.watch(model, optimizer) as w:
                 for _ in range(WATCH_STEPS):
                     loss_fn().backward()

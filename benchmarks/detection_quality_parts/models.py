@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from detection_quality_parts.common import N_CLASSES, PARAM_DTYPES, in_dtype
+from detection_quality_parts.common import N_CLASSES, PARAM_DTYPES, in_dtype, seed_everything
 
 # ---------------------------------------------------------------------------------------
 # Part 2: precision on stock transformers architectures
@@ -552,7 +552,7 @@ def build_arch(
 def grads_none_after_backward(model: nn.Module, inputs: dict[str, Any]) -> set[str]:
     twin = copy.deepcopy(model)
     twin.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
+    seed_everything(1234)
     twin(**inputs).loss.backward()
     return {n for n, p in twin.named_parameters() if p.requires_grad and p.grad is None}
 

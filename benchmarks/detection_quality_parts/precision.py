@@ -17,6 +17,7 @@ from detection_quality_parts.common import (
     GRAD_FLOW_CODES,
     finding_record,
     make_optimizer,
+    seed_everything,
     short_error,
     table,
 )
@@ -55,7 +56,7 @@ def run_arch(arch: Arch, dtype: str = "fp32") -> dict[str, Any]:
     try:
         model, inputs = arch_in_dtype(model, inputs, dtype)
         with torch.no_grad():
-            torch.manual_seed(1234)
+            seed_everything(1234)
             model(**inputs)
         reshard = getattr(model, "reshard", None)
         if callable(reshard):  # FSDP2 keeps a root gathered after a no_grad forward
@@ -72,7 +73,7 @@ def run_arch(arch: Arch, dtype: str = "fp32") -> dict[str, Any]:
 
     try:
         optimizer = make_optimizer(model)
-        torch.manual_seed(1234)
+        seed_everything(1234)
         start = time.perf_counter()
         report = deadweight.check(model, loss_fn, optimizer)
         row["check_s"] = time.perf_counter() - start
