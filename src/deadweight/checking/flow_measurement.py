@@ -8,6 +8,7 @@ the rules.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import gc
@@ -691,12 +692,10 @@ def _module_cuts(
     names_by_id: dict[int, str],
     trainable: list[tuple[str, nn.Parameter]],
 ) -> list[Cut]:
-    trainable_names = [n for n, _ in trainable]
+    trainable_names = sorted(n for n, _ in trainable)
 
     def params_under(path: str) -> frozenset[str]:
-        # `Encoder:` is one of several models, named `Encoder:fc.weight` (deadweight run)
-        prefix = path if not path or path.endswith(":") else path + "."
-        return frozenset(n for n in trainable_names if n.startswith(prefix))
+        return names_under(trainable_names, path)
 
     cuts = []
     ran = modules.calls
@@ -733,6 +732,18 @@ def _module_cuts(
                     Cut("module-cut", type(module).__name__, record.call_site, path, params)
                 )
     return cuts
+
+
+def names_under(sorted_names: list[str], path: str) -> frozenset[str]:
+    """The parameter names under module `path`, from all names sorted. Those under a
+    prefix are one run of the sorted list: found by bisection, where a scan of every
+    name for every module cost modules x parameters in a deep model."""
+    # `Encoder:` is one of several models, named `Encoder:fc.weight` (deadweight run)
+    prefix = path if not path or path.endswith(":") else path + "."
+    start = end = bisect.bisect_left(sorted_names, prefix)
+    while end < len(sorted_names) and sorted_names[end].startswith(prefix):
+        end += 1
+    return frozenset(sorted_names[start:end])
 
 
 def _routing(modules: dict[str, nn.Module], path: str, ran: dict[str, Any]) -> str:
