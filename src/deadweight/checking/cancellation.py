@@ -216,12 +216,7 @@ class StructureTracker:
         return n
 
     def observe(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        if name in COUNTED:
-            ordinals = self.ordinals  # `count`, inlined: this runs for every traced call
-            ordinal = ordinals.get(name, 0)
-            ordinals[name] = ordinal + 1
-        else:
-            ordinal = -1
+        ordinal = self.count(name) if name in COUNTED else -1
         if self.failed is not None:
             return
         try:

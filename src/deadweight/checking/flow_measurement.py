@@ -693,10 +693,6 @@ def _module_cuts(
     trainable: list[tuple[str, nn.Parameter]],
 ) -> list[Cut]:
     trainable_names = sorted(n for n, _ in trainable)
-
-    def params_under(path: str) -> frozenset[str]:
-        return names_under(trainable_names, path)
-
     cuts = []
     ran = modules.calls
     # Containers (ModuleList, ModuleDict) are never called themselves: a module took
@@ -708,7 +704,7 @@ def _module_cuts(
             continue
         if path not in ran_or_above:
             if path.rpartition(".")[0] in ran_or_above:  # the outermost module that sat out
-                params = params_under(path)
+                params = names_under(trainable_names, path)
                 if params:
                     site = definition_site(module)
                     detail = _routing(by_path, path, ran)
@@ -720,7 +716,7 @@ def _module_cuts(
         if record is None:
             continue
         if record.output_nodes and not any(n in consumed_nodes for n in record.output_nodes):
-            params = params_under(path)
+            params = names_under(trainable_names, path)
             if params:
                 cuts.append(
                     Cut("output-unused", type(module).__name__, record.call_site, path, params)

@@ -114,12 +114,12 @@ def _affine(
         cv = ctx.c(value)
         if not (cv.lost or cv.pure or cv.partial):
             if is_weight:
-                result = mul_term(result, EMPTY, nontrivial(out.shape, dims))
+                result = mul_term(result, EMPTY, nontrivial(shape, dims))
             continue
         laid = list(dims)[-value.dim() :] if value.dim() else []
         mapped = map_carrier(cv, lambda d, laid=laid: nontrivial(shape, [laid[x] for x in d]))  # type: ignore[misc]
         if is_weight:
-            result = mul_term(result, mapped, nontrivial(out.shape, laid))
+            result = mul_term(result, mapped, nontrivial(shape, laid))
         else:
             result = add_term(result, mapped)
     return result
