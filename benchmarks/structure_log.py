@@ -187,10 +187,22 @@ def write(path: Path, selected: Iterable[tuple[str, Callable[[], Any]]]) -> int:
     return n
 
 
+def read_log(path: Path) -> dict[str, dict[str, Any]]:
+    """A log this script wrote, by case; a clear stop for anything else."""
+    cases: dict[str, dict[str, Any]] = {}
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+                cases[row["case"]] = row
+            except (ValueError, KeyError, TypeError):
+                sys.exit(f"{path}:{number}: not a line of a structure log")
+    return cases
+
+
 def compare(before: Path, after: Path) -> int:
     """Prints the cases whose lines differ; returns how many."""
-    a = {(r := json.loads(line))["case"]: r for line in before.open()}
-    b = {(r := json.loads(line))["case"]: r for line in after.open()}
+    a, b = read_log(before), read_log(after)
     differing = 0
     for label in sorted(set(a) | set(b)):
         x, y = a.get(label), b.get(label)

@@ -52,3 +52,13 @@ def test_the_log_is_the_same_on_two_runs_and_a_change_shows(
     changed.write_text("".join(json.dumps(line) + "\n" for line in (gpt2, planted)))
     assert script.compare(first, changed) == 1
     assert "gpt2/fp32: log entry 10 differs" in capsys.readouterr().out
+
+
+def test_compare_stops_clearly_on_a_file_that_is_not_a_log(script: Any, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"case": "x", "log": [], "findings": []}) + "\n")
+    for text in ("<b>not json</b>\n", '{"no": "case"}\n', "[1]\n"):
+        other = tmp_path / "other.jsonl"
+        other.write_text(text)
+        with pytest.raises(SystemExit, match=r"other\.jsonl:1: not a line of a structure log"):
+            script.compare(log, other)
