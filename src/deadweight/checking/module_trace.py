@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch.nn.modules.module import (
 
 from deadweight.checking.check_stats import Site
 from deadweight.checking.op_trace import tensors_in
-from deadweight.checking.sites import user_site
+from deadweight.checking.sites import site_at, user_place
 
 
 @dataclass
@@ -30,12 +31,19 @@ class ModuleCalls:
     name: str
     calls: int = 0
     rows: int = 0  # leading-dim size of the first tensor input, summed over calls (tokens routed)
-    call_site: Site | None = None
+    # the first call's user frame, as code and line (`sites.user_place`): its Site is
+    # made only for the few modules a cut names
+    place: tuple[CodeType, int] | None = field(default=None, repr=False)
     # grad_fn nodes of outputs that required grad, over all calls.
     output_nodes: list[Any] = field(default_factory=list, repr=False)
     # Calls whose float outputs came back without a graph although inputs or
     # parameters needed one: the module cut the graph somewhere inside.
     cut_roots: list[Any] = field(default_factory=list, repr=False)
+
+    @property
+    def call_site(self) -> Site | None:
+        """Where the module was first called from."""
+        return site_at(self.place)
 
 
 class ModuleTracer:
@@ -74,7 +82,7 @@ class ModuleTracer:
             return
         record = self.calls.get(name)
         if record is None:
-            record = self.calls[name] = ModuleCalls(name, call_site=user_site(sys._getframe(1)))
+            record = self.calls[name] = ModuleCalls(name, place=user_place(sys._getframe(1)))
         record.calls += 1
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if first is None:
@@ -99,6 +107,11 @@ class ModuleTracer:
 
     @staticmethod
     def _note_return(record: ModuleCalls, module: nn.Module, args: tuple, output: Any) -> None:
+        if isinstance(output, torch.Tensor):  # most modules: one tensor, with a graph
+            node = output.grad_fn
+            if node is not None and (output.is_floating_point() or output.is_complex()):
+                record.output_nodes.append(node)
+                return
         outputs = [t for t in tensors_in(output) if t.is_floating_point() or t.is_complex()]
         nodes = [t.grad_fn for t in outputs if t.requires_grad and t.grad_fn is not None]
         if nodes:

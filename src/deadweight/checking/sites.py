@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from types import FrameType
+from types import CodeType, FrameType
 
 import torch
 
@@ -86,7 +86,11 @@ _RESUME = re.compile(r"torch_dynamo_resume_in_(?P<name>.+)_at_\d+$")
 def function_name(frame: FrameType) -> str:
     """`Block.forward`: the qualified name (3.11+; the bare name before), and for a
     torch.compile resume function the name of the user's function it resumes."""
-    code = frame.f_code
+    return code_name(frame.f_code)
+
+
+def code_name(code: CodeType) -> str:
+    """`function_name` of the frames that run `code`."""
     # co_qualname (3.11+) says `FusedRMSNorm.forward` where co_name only says `forward`.
     name: str = getattr(code, "co_qualname", code.co_name)
     owner, _, leaf = name.rpartition(".")
@@ -109,6 +113,22 @@ def site_of(frame: FrameType | None) -> Site | None:
         return None
     # A resume function's lines are the user's function's own: only its name is dynamo's.
     return Site(frame.f_code.co_filename, frame.f_lineno, function_name(frame))
+
+
+def site_at(where: tuple[CodeType, int] | None) -> Site | None:
+    """`site_of` a frame from its code and line, kept by `user_place`."""
+    if where is None:
+        return None
+    code, line = where
+    return Site(code.co_filename, line, code_name(code))
+
+
+def user_place(start: FrameType) -> tuple[CodeType, int] | None:
+    """The user frame's code and line, from which `site_at` makes its `Site` when one is
+    wanted: a tracer that notes a place per call but shows few saves the name lookup
+    and the `Site` for the rest, and holds no frame (which would keep its locals)."""
+    frame = user_frame(start)
+    return None if frame is None else (frame.f_code, frame.f_lineno)
 
 
 def user_site(start: FrameType | None = None) -> Site | None:
