@@ -177,7 +177,10 @@ def preserved(model: nn.Module) -> Iterator[ParamGuard]:
             p.grad = g
         _restore_buffers(buffers)
         for m, training in modes:
-            m.training = training
+            # only where the forward toggled it: nn.Module's __setattr__ is slow, and
+            # a deep model has hundreds of modules
+            if m.training != training:
+                m.training = training
         _set_rng_state(rng)
 
 
