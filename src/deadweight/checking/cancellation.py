@@ -327,6 +327,14 @@ class StructureTracker:
         # of what a transformer's norms absorb.
         self._free_means.update(entities)
 
+    def forward_done(self, loss: Tensor) -> None:
+        """The forward is over: from here on only the loss's carrier is read (`result`).
+        The others go now, while the garbage collector is off: the collection due when
+        it resumes would otherwise scan each of them (0.4 ms of a 47 ms check on a
+        12-layer GPT-2)."""
+        kept = self._carriers.by_id.get(id(loss))
+        self._carriers.by_id = {id(loss): kept} if kept is not None and kept[0]() is loss else {}
+
     # -- the verdict --------------------------------------------------------------
     def result(self, loss: Tensor, has_grad: Callable[[int], bool]) -> StructureResult:
         at_loss = self.carrier(loss)

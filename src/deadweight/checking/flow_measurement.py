@@ -177,6 +177,8 @@ def _trace(run: _Run, guard: ParamGuard) -> _Traced:
             "(its traceback is above; deadweight removed all of its hooks)"
         ) from exc
     loss = _validated_loss(raw)
+    if run.structure is not None:
+        run.structure.forward_done(loss)
     # Under FSDP2 the graph's leaves are the unsharded parameters swapped in for the
     # forward: they go by the sharded parameters' names.
     unsharded = sharded_flow.stand_ins(run.model, run.names_by_id) if run.shards else {}
