@@ -77,14 +77,17 @@ class GradStats:
     """The numbers the gradient screens need, for one parameter."""
 
     grad_norm: float
-    grad_dot_param: float  # <g, theta>
-    grad_sum: float  # sum(g)
+    # <g, theta> and sum(g): None where nothing reads them. They are taken for the
+    # parameters the screens judge and those a finding's evidence shows (an exactly
+    # zero gradient, a structural cancellation); a check of a healthy model needs none.
+    grad_dot_param: float | None
+    grad_sum: float | None
     param_norm: float
     param_rms: float
     exact_zero: bool  # every gradient entry is exactly 0
 
     def scale_score(self, loss: float) -> float:
-        return (SCALE_FACTOR - 1) * abs(self.grad_dot_param) / loss_scale(loss)
+        return (SCALE_FACTOR - 1) * abs(_taken(self.grad_dot_param)) / loss_scale(loss)
 
     def shift_step(self) -> float:
         return SHIFT_RMS * self.param_rms if self.param_rms > 0 else SHIFT_FOR_ZERO
@@ -94,7 +97,13 @@ class GradStats:
         return self.grad_norm * max(self.param_norm, 1.0) <= ulps * eps * loss_scale(loss)
 
     def shift_score(self, loss: float) -> float:
-        return self.shift_step() * abs(self.grad_sum) / loss_scale(loss)
+        return self.shift_step() * abs(_taken(self.grad_sum)) / loss_scale(loss)
+
+
+def _taken(value: float | None) -> float:
+    if value is None:
+        raise ValueError("this gradient statistic was not taken for this parameter")
+    return value
 
 
 @dataclass(frozen=True)

@@ -277,30 +277,59 @@ class _Probed:
 
 @dataclass
 class _Gradients:
-    """What the checked backward left: the loss and the gradients' statistics."""
+    """What the checked backward left: the loss and the gradients' norms."""
 
     value: float  # the loss
-    stats: dict[str, GradStats]  # per parameter with a gradient
+    norms: dict[str, invariance.GradNorms]  # per parameter with a gradient
     failed: bool  # backward failed: what the statistics show is not the whole story
+    # FSDP2: every statistic of every parameter, summed over the ranks' shards at once
+    whole: dict[str, GradStats] | None = None
+
+    def stats(self, run: _Run, flow: BackwardReach, wanted: set[str]) -> dict[str, GradStats]:
+        """Every statistic of each parameter with a gradient: <g, theta> and sum(g)
+        only for those in `wanted` (`invariance.grad_stats`). From the gradients the
+        checked backward left: a re-run since may have cleared `.grad`."""
+        if self.whole is not None:
+            return self.whole
+        with_grad = [(n, p) for n, p in run.trainable if n in self.norms]
+        names = [n for n, _ in with_grad]
+        return dict(
+            zip(
+                names,
+                invariance.grad_stats(
+                    [_checked_grad(flow, n) for n in names],
+                    [p for _, p in with_grad],
+                    [self.norms[n] for n in names],
+                    [n in wanted for n in names],
+                ),
+                strict=True,
+            )
+        )
 
 
 def _gradient_statistics(run: _Run, traced: _Traced, flow: BackwardReach) -> _Gradients:
-    """The loss and the gradient statistics, in one transfer; under FSDP2 those of the
-    whole parameters, summed over the ranks' shards (`sharded_flow`)."""
+    """The loss and the gradients' norms, in one transfer; under FSDP2 every statistic
+    of the whole parameters, summed over the ranks' shards (`sharded_flow`)."""
     value = float(traced.loss.detach().float().item())
     failed = flow.error is not None
     if run.shards is not None:
         value, stats, failed = sharded_flow.whole_statistics(run.shards, run.trainable, flow, value)
-        return _Gradients(value, stats, failed)
-    with_grad = [(n, p) for n, p in run.trainable if p.grad is not None]
-    stats = dict(
-        zip(
-            [n for n, _ in with_grad],
-            invariance.grad_stats([p for _, p in with_grad]),
-            strict=True,
-        )
+        norms = {
+            n: invariance.GradNorms(s.grad_norm, s.param_norm, s.exact_zero)
+            for n, s in stats.items()
+        }
+        return _Gradients(value, norms, failed, whole=stats)
+    with_grad = [(n, p) for n, p in run.trainable if flow.grads.get(n) is not None]
+    found = invariance.gradient_norms(
+        [_checked_grad(flow, n) for n, _ in with_grad], [p for _, p in with_grad]
     )
-    return _Gradients(value, stats, failed)
+    return _Gradients(value, dict(zip([n for n, _ in with_grad], found, strict=True)), failed)
+
+
+def _checked_grad(flow: BackwardReach, name: str) -> torch.Tensor:
+    grad = flow.grads[name]
+    assert grad is not None
+    return grad
 
 
 def _statistics_and_probes(
@@ -310,7 +339,7 @@ def _statistics_and_probes(
     probed by re-running the forward, from the gradient statistics. Under FSDP2 every
     re-run is made by all ranks together (`sharded_flow`)."""
     loss = traced.loss
-    value, stats, failed = gradients.value, gradients.stats, gradients.failed
+    value, norms, failed = gradients.value, gradients.norms, gradients.failed
     loss_eps = _screen_eps(loss)
     rerun = invariance.rerun_of(run.loss_fn, guard)
     capturing = _capturing_rerun(run.loss_fn, guard)
@@ -319,12 +348,21 @@ def _statistics_and_probes(
         rerun = sharded_flow.on_all_ranks(run.model, run.shards, rerun)
         capturing = sharded_flow.capturing_on_all_ranks(run.model, run.shards, capturing)
         agree = sharded_flow.agreement(run.shards)
-    with_grad = [(n, p) for n, p in run.trainable if n in stats]
+    with_grad = [(n, p) for n, p in run.trainable if n in norms]
     runnable = not failed and math.isfinite(value)
     structural = _structure_verdict(
-        run.structure, loss, with_grad, stats, capturing, value, runnable, agree
+        run.structure, loss, with_grad, norms, capturing, value, runnable, agree
     )
     screened = [(n, p) for n, p in with_grad if n in structural.unstructured]
+    # <g, theta> and sum(g): for the screens and for the evidence of the findings that
+    # can show them (an exactly zero gradient, a cancellation)
+    stats = gradients.stats(
+        run,
+        flow,
+        {n for n, _ in screened}
+        | set(structural.cancellations)
+        | {n for n, g in norms.items() if g.exact_zero},
+    )
     if screened and _half(loss):
         structural = dataclasses.replace(
             structural,
@@ -464,7 +502,7 @@ def _structure_verdict(
     structure: StructureTracker | None,
     loss: torch.Tensor,
     with_grad: list[tuple[str, nn.Parameter]],
-    stats: dict[str, GradStats],
+    stats: dict[str, invariance.GradNorms],
     rerun: cancellation_confirmation.Rerun,
     value: float,
     runnable: bool,

@@ -75,69 +75,97 @@ RERUN_LOSS_TOLERANCE = 1e-4
 # `noise-floor-ulps` ulps of the loss (deadweight.thresholds, 16 by default).
 
 
-def grad_stats(params: Sequence[torch.Tensor]) -> list[GradStats]:
-    """Per-parameter gradient statistics in one device-to-host transfer."""
+def grad_stats(
+    grads: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    norms: Sequence[GradNorms],
+    wanted: Sequence[bool],
+) -> list[GradStats]:
+    """Per-parameter gradient statistics from their `gradient_norms`, with <g, theta>
+    and sum(g) taken (`gradient_sums`, one transfer) where `wanted` says: only the
+    screens and the findings' evidence read them. The others' are None."""
+    picked = [k for k, w in enumerate(wanted) if w]
+    sums = iter(gradient_sums([grads[k] for k in picked], [params[k] for k in picked]))
+    stats = []
+    for p, n, w in zip(params, norms, wanted, strict=True):
+        dot, total = next(sums) if w else (None, None)
+        stats.append(
+            GradStats(
+                grad_norm=n.grad_norm,
+                grad_dot_param=dot,
+                grad_sum=total,
+                param_norm=n.param_norm,
+                param_rms=n.param_norm / math.sqrt(max(p.numel(), 1)),
+                exact_zero=n.exact_zero,
+            )
+        )
+    return stats
+
+
+@dataclass(frozen=True)
+class GradNorms:
+    grad_norm: float
+    param_norm: float
+    exact_zero: bool  # every gradient entry is exactly 0
+
+
+def gradient_norms(
+    grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+) -> list[GradNorms]:
+    """|g| and |theta| per parameter (given with its gradient), in one transfer. A gradient whose norm is 0 may
+    still hold entries too small to square in float32: for those alone the largest
+    magnitude decides, in a second transfer. (It was taken for every gradient, a
+    sixth of the gradient statistics on a dispatch-bound model, to tell apart what the
+    norm nearly always tells apart: a norm above 0, or NaN, has an entry that is not 0.)"""
     if not params:
         return []
-    if len({p.device for p in params}) == 1:
-        values = _stat_rows_at_once(params)
-    else:
-        values = _stat_rows(params)
-    return [
-        GradStats(
-            grad_norm=v[0],
-            grad_dot_param=v[1],
-            grad_sum=v[2],
-            param_norm=v[3],
-            param_rms=v[3] / math.sqrt(max(p.numel(), 1)),
-            exact_zero=v[4] == 0.0,
-        )
-        for v, p in zip(values, params, strict=True)
-    ]
-
-
-def _stat_rows(params: Sequence[torch.Tensor]) -> list[list[float]]:
-    """[|g|, <g, theta>, sum g, |theta|, any g != 0] per parameter, tensor by tensor."""
-    rows = []
-    for p in params:
-        g = p.grad
-        assert g is not None
-        gf, pf = g.detach().float(), p.detach().float()
-        rows.append(
-            torch.stack(
-                [
-                    gf.norm(),
-                    (gf * pf).sum(),
-                    gf.sum(),
-                    pf.norm(),
-                    (gf != 0).any().float(),
-                ]
-            ).cpu()
-        )
-    return torch.stack(rows).tolist()  # the one host sync
-
-
-def _stat_rows_at_once(params: Sequence[torch.Tensor]) -> list[list[float]]:
-    """The same rows with the norms and products taken over all parameters at once
-    (torch._foreach_*: a third of the calls, each the same kernel per tensor on CPU);
-    the last column is the largest gradient magnitude (0 exactly when every entry is).
-    Under no_grad, float32 tensors are used as they are: a detach and a cast per tensor
-    were a third of the calls left, each a dispatch that costs what a tiny kernel does."""
+    same_device = len({p.device for p in params}) == 1
     with torch.no_grad():
-        grads = []
-        for p in params:
-            assert p.grad is not None
-            grads.append(_float32(p.grad))
+        grads = [_float32(g) for g in grads]
         thetas = [_float32(p) for p in params]
-        columns = [
-            torch._foreach_norm(grads),
-            [x.sum() for x in torch._foreach_mul(grads, thetas)],
-            [g.sum() for g in grads],
-            torch._foreach_norm(thetas),
-            _largest_magnitudes(grads),
-        ]
-        rows = torch.stack([torch.stack(list(c)) for c in columns], dim=1)
-    return rows.cpu().tolist()  # the one host sync
+        columns: list[Sequence[torch.Tensor]]
+        if same_device:  # torch._foreach_*: one kernel per tensor on CPU, a few on a GPU
+            columns = [torch._foreach_norm(grads), torch._foreach_norm(thetas)]
+        else:
+            columns = [[g.norm() for g in grads], [t.norm() for t in thetas]]
+        values = _rows(columns, same_device)
+        zero_norm = [k for k, v in enumerate(values) if v[0] == 0.0]
+        largest = (
+            _rows([_largest_magnitudes([grads[k] for k in zero_norm])], same_device)
+            if zero_norm
+            else []
+        )
+    entries = {k for k, (m,) in zip(zero_norm, largest, strict=True) if m != 0.0}
+    return [GradNorms(v[0], v[1], v[0] == 0.0 and k not in entries) for k, v in enumerate(values)]
+
+
+def gradient_sums(
+    grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+) -> list[tuple[float, float]]:
+    """(<g, theta>, sum g) per parameter (given with its gradient), in one transfer."""
+    if not params:
+        return []
+    same_device = len({p.device for p in params}) == 1
+    with torch.no_grad():
+        grads = [_float32(g) for g in grads]
+        thetas = [_float32(p) for p in params]
+        products: Sequence[torch.Tensor]
+        if same_device:
+            products = torch._foreach_mul(grads, thetas)
+        else:
+            products = [g * t for g, t in zip(grads, thetas, strict=True)]
+        values = _rows([[x.sum() for x in products], [g.sum() for g in grads]], same_device)
+    return [(v[0], v[1]) for v in values]
+
+
+def _rows(columns: Sequence[Sequence[torch.Tensor]], same_device: bool) -> list[list[float]]:
+    """0-d tensors, one column per statistic, as rows of Python floats: one transfer
+    when they share a device, one per row otherwise."""
+    if not columns[0]:
+        return []
+    if same_device:
+        return torch.stack([torch.stack(list(c)) for c in columns], dim=1).cpu().tolist()
+    return [torch.stack(list(row)).cpu().tolist() for row in zip(*columns, strict=True)]
 
 
 def _largest_magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -146,7 +174,7 @@ def _largest_magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     of a sum; counting nonzero entries (norm of order 0) took four times as long."""
     foreach_max = getattr(torch, "_foreach_max", None)
     full = [t for t in tensors if t.numel()]
-    if foreach_max is None or len(full) < len(tensors):
+    if foreach_max is None or len(full) < len(tensors) or len({t.device for t in tensors}) > 1:
         return [t.abs().max() if t.numel() else t.new_zeros(()) for t in tensors]
     return list(foreach_max(torch._foreach_abs(full)))
 

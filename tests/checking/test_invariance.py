@@ -1,0 +1,161 @@
+"""The gradient statistics a check takes, against a slow per-tensor reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from deadweight.checking import flow_measurement, invariance
+
+
+def _cases() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(label, gradient, parameter): the dtypes a model trains in, and the gradients
+    the exact-zero test must tell apart."""
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for shape in ((), (1,), (7,), (5, 3), (2, 3, 4)):
+            theta = torch.randn(shape, generator=g).to(dtype)
+            grad = torch.randn(shape, generator=g).to(dtype)
+            cases.append((f"{dtype} {shape}", grad, theta))
+    theta = torch.randn(6, generator=g)
+    tiny = torch.zeros(6)
+    tiny[3] = 1e-30  # its square underflows float32: the norm is 0, the gradient is not
+    negative_zero = torch.full((6,), -0.0)
+    nan = torch.zeros(6)
+    nan[2] = float("nan")
+    inf = torch.zeros(6)
+    inf[1] = float("inf")
+    cases += [
+        ("all zero", torch.zeros(6), theta),
+        ("negative zeros", negative_zero, theta),
+        ("one tiny entry", tiny, theta),
+        ("subnormal", torch.full((6,), 1e-45), theta),
+        ("nan", nan, theta),
+        ("inf", inf, theta),
+        ("empty", torch.zeros(0), torch.zeros(0)),
+        ("zero parameter", torch.randn(6, generator=g), torch.zeros(6)),
+    ]
+    return cases
+
+
+def _reference(grad: torch.Tensor, theta: torch.Tensor) -> tuple[float, float, float, float, bool]:
+    """|g|, |theta|, <g, theta>, sum g in float64, one tensor at a time, and whether
+    every entry of g is exactly 0."""
+    g, t = grad.double(), theta.double()
+    return (
+        g.norm().item(),
+        t.norm().item(),
+        (g * t).sum().item(),
+        g.sum().item(),
+        not bool((grad != 0).any()),
+    )
+
+
+def _close(a: float, b: float, scale: float) -> bool:
+    if math.isnan(b):
+        return math.isnan(a)
+    if math.isinf(b):
+        return a == b
+    return abs(a - b) <= 1e-5 * scale + 1e-30
+
+
+def test_norms_and_sums_match_the_per_tensor_reference() -> None:
+    cases = _cases()
+    grads = [g for _, g, _ in cases]
+    params = [t for _, _, t in cases]
+    norms = invariance.gradient_norms(grads, params)
+    sums = invariance.gradient_sums(grads, params)
+    for (label, grad, theta), n, (dot, total) in zip(cases, norms, sums, strict=True):
+        gnorm, pnorm, rdot, rsum, zero = _reference(grad, theta)
+        assert n.exact_zero is zero, label
+        assert _close(n.grad_norm, gnorm, gnorm), label
+        assert _close(n.param_norm, pnorm, pnorm), label
+        products = (grad.double() * theta.double()).abs().sum().item()
+        assert _close(dot, rdot, products), label
+        assert _close(total, rsum, grad.double().abs().sum().item()), label
+
+
+def test_exact_zero_takes_the_largest_magnitude_of_zero_norm_gradients_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[int] = []
+    largest = invariance._largest_magnitudes
+
+    def counted(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        seen.append(len(tensors))
+        return largest(tensors)
+
+    monkeypatch.setattr(invariance, "_largest_magnitudes", counted)
+    healthy = [torch.randn(4) for _ in range(5)]
+    invariance.gradient_norms(healthy, [torch.randn(4) for _ in range(5)])
+    assert seen == []  # every norm above 0: nothing more to look at
+    tiny = torch.zeros(4)
+    tiny[0] = 1e-30
+    mixed = [*healthy, torch.zeros(4), tiny]
+    norms = invariance.gradient_norms(mixed, [torch.randn(4) for _ in range(7)])
+    assert seen == [2]
+    assert [n.exact_zero for n in norms] == [False] * 5 + [True, False]
+
+
+def test_grad_stats_takes_sums_only_where_wanted() -> None:
+    cases = _cases()
+    grads = [g for _, g, _ in cases]
+    params = [t for _, _, t in cases]
+    norms = invariance.gradient_norms(grads, params)
+    every = invariance.gradient_sums(grads, params)
+    wanted = [k % 3 == 0 for k in range(len(cases))]
+    stats = invariance.grad_stats(grads, params, norms, wanted)
+    for k, (s, n, (dot, total)) in enumerate(zip(stats, norms, every, strict=True)):
+        assert (s.grad_norm, s.param_norm, s.exact_zero) == (
+            n.grad_norm,
+            n.param_norm,
+            n.exact_zero,
+        )
+        assert s.param_rms == n.param_norm / math.sqrt(max(params[k].numel(), 1))
+        if wanted[k]:
+            # the same kernels on the same tensors as over all of them: the same bits
+            assert str(s.grad_dot_param) == str(dot) and str(s.grad_sum) == str(total)
+        else:
+            assert s.grad_dot_param is None and s.grad_sum is None
+            with pytest.raises(ValueError, match="not taken"):
+                s.scale_score(1.0)
+
+
+def test_rows_one_transfer_or_one_per_row_agree() -> None:
+    columns = [[torch.tensor(float(k)) for k in range(5)], [torch.tensor(-k / 3) for k in range(5)]]
+    assert invariance._rows(columns, True) == invariance._rows(columns, False)
+    assert invariance._rows([[], []], True) == []
+
+
+class _Gated(nn.Module):
+    """A zero-initialised gate: the layer before it gets an exactly zero gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.gate = nn.Parameter(torch.zeros(1))
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x + self.gate * self.inner(x)).pow(2).mean()
+
+
+def test_a_check_takes_sums_for_zero_gradients_and_skips_them_for_the_rest() -> None:
+    torch.manual_seed(0)
+    model = _Gated()
+    x = torch.randn(8, 4)
+    stats = flow_measurement.measure_grad_flow(model, lambda: model(x))
+    by_name = {p.name: p.grad for p in stats.params}
+    for name in ("inner.weight", "inner.bias"):
+        g = by_name[name]
+        assert g is not None and g.exact_zero
+        assert g.grad_dot_param == 0.0 and g.grad_sum == 0.0
+    for name in ("gate", "out.weight", "out.bias"):
+        g = by_name[name]
+        assert g is not None and not g.exact_zero
+        assert g.grad_dot_param is None and g.grad_sum is None
+        assert g.grad_norm > 0
