@@ -19,9 +19,9 @@ from torch import nn
 
 import deadweight
 from deadweight import Severity
-from deadweight.checking.cancellation import _TensorCarriers
+from deadweight.checking.cancellation import StructureTracker, _TensorCarriers
 from deadweight.checking.cancellation_confirmation import relative_change
-from deadweight.checking.carrier_algebra import EMPTY, Carrier
+from deadweight.checking.carrier_algebra import EMPTY, SHIFT, Carrier
 from deadweight.checking.check_stats import GradFlowStats
 from deadweight.checking.flow_measurement import measure_grad_flow
 from tests.conftest import marker_line
@@ -602,3 +602,27 @@ def test_a_tensor_that_reuses_a_dead_ones_id_carries_nothing_from_it() -> None:
     assert carriers.get(live) == Carrier(lost=0b100)
     carriers.discard(live)
     assert carriers.get(live) is EMPTY
+
+
+def test_parameter_entries_are_shared_between_checks_and_unique_within_one() -> None:
+    """A parameter's own carrier is looked up by (index, shape): two trackers over
+    the same parameters share it, and within one tracker no two parameters share a
+    shift tag, whatever was looked up before."""
+    first = [nn.Parameter(torch.ones(s)) for s in ((3,), (3,), (2, 3), ())]
+    second = [nn.Parameter(torch.ones(s)) for s in ((3,), (4,), (2, 3), ())]
+
+    def entries(params: list[nn.Parameter]) -> list[Carrier]:
+        tracker = StructureTracker({id(p): p for p in params}, {})
+        return [tracker.carrier(p) for p in params]
+
+    a, b = entries(first), entries(second)
+    for same in (0, 2, 3):  # same index, same shape
+        assert b[same] is a[same]
+    assert b[1] is not a[1]  # same index, another shape
+    for carriers in (a, b):
+        tags = [f.tag for c in carriers for f in c.pure.values() if f.kind == SHIFT]
+        assert len(tags) == len(set(tags)) == len(carriers)
+        for i, c in enumerate(carriers):
+            assert set(c.pure) == {2 * i, 2 * i + 1}
+    # a parameter's effects vary along every dim of it longer than 1
+    assert a[2].pure[4].full == frozenset({0, 1}) and a[3].pure[6].full == frozenset()

