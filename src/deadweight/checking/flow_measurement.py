@@ -81,7 +81,7 @@ def measure_grad_flow(
     named = _validated_params(model, loss_fn, optimizer)
     run = _Run(model, loss_fn, named, shards)
     unrestored_versions()  # count this check's failures only
-    with preserved(model) as guard, torch.inference_mode(False), torch.enable_grad():
+    with preserved(model, named) as guard, torch.inference_mode(False), torch.enable_grad():
         with _collection_paused():
             traced = _trace(run, guard)
             flow = _backward_step(run, traced)

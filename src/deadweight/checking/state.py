@@ -148,7 +148,9 @@ class ParamGuard:
 
 
 @contextmanager
-def preserved(model: nn.Module) -> Iterator[ParamGuard]:
+def preserved(
+    model: nn.Module, named: Sequence[tuple[str, nn.Parameter]] | None = None
+) -> Iterator[ParamGuard]:
     """Snapshot everything a forward+backward may change, restore it on exit (also on error).
 
     - train/eval flag of every submodule (a forward may toggle them);
@@ -159,10 +161,14 @@ def preserved(model: nn.Module) -> Iterator[ParamGuard]:
     - parameter values and version counters, through the yielded `ParamGuard`, which the
       op tracer calls before an in-place write to a parameter or to memory it shares
       (deadweight itself writes one only in the probes, which restore it).
+
+    `named`: `model.named_parameters()`, when the caller has just listed them.
     """
-    modes = [(m, m.training) for m in model.modules()]
-    buffers = _snapshot_buffers(model)
-    named = list(model.named_parameters())
+    modules = list(model.modules())
+    modes = [(m, m.training) for m in modules]
+    buffers = _snapshot_buffers(modules)
+    if named is None:
+        named = list(model.named_parameters())
     params = [p for _, p in named]
     grads = [p.grad for p in params]
     rng = _rng_state()
@@ -308,10 +314,10 @@ def _same_data(p: torch.Tensor, alias: torch.Tensor) -> bool:
 _BufferSnapshot = list[tuple[nn.Module, str, torch.Tensor, torch.Tensor, int | None]]
 
 
-def _snapshot_buffers(model: nn.Module) -> _BufferSnapshot:
+def _snapshot_buffers(modules: Sequence[nn.Module]) -> _BufferSnapshot:
     clones: dict[int, torch.Tensor] = {}  # shared buffers are cloned once
     snapshot: _BufferSnapshot = []
-    for module in model.modules():
+    for module in modules:
         for name, buf in module._buffers.items():
             if buf is None or buf.is_meta:
                 continue
