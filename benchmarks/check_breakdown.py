@@ -262,9 +262,9 @@ def phases_timed() -> Iterator[dict[str, list[float]]]:
     preserved = flow_measurement.preserved
 
     @contextlib.contextmanager
-    def preserved_timed(model: torch.nn.Module) -> Iterator[Any]:
+    def preserved_timed(model: torch.nn.Module, *args: Any) -> Iterator[Any]:
         start = time.thread_time()
-        with preserved(model) as guard:
+        with preserved(model, *args) as guard:
             acc["preserved_enter"].append(time.thread_time() - start)
             yield guard
             start = time.thread_time()
