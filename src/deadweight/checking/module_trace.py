@@ -30,7 +30,10 @@ class ModuleCalls:
 
     name: str
     calls: int = 0
-    rows: int = 0  # leading-dim size of the first tensor input, summed over calls (tokens routed)
+    # For a member of a ModuleList or ModuleDict (the experts of a mixture): the
+    # leading-dim size of its first tensor input, summed over calls (tokens routed).
+    # 0 for other modules: only a never-ran cut's routing detail reads it.
+    rows: int = 0
     # the first call's user frame, as code and line (`sites.user_place`): its Site is
     # made only for the few modules a cut names
     place: tuple[CodeType, int] | None = field(default=None, repr=False)
@@ -50,7 +53,14 @@ class ModuleTracer:
     """Use as a context manager around the user's forward."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._names = {id(m): name for name, m in model.named_modules()}
+        named = list(model.named_modules())
+        self._names = {id(m): name for name, m in named}
+        self._members = {
+            id(child)
+            for _, m in named
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict))
+            for child in m.children()
+        }
         self.calls: dict[str, ModuleCalls] = {}
         self._stack: list[str | None] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -84,6 +94,8 @@ class ModuleTracer:
         if record is None:
             record = self.calls[name] = ModuleCalls(name, place=user_place(sys._getframe(1)))
         record.calls += 1
+        if id(module) not in self._members:
+            return
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if first is None:
             first = next(iter(tensors_in(args)), None)
