@@ -502,7 +502,7 @@ def _structure_verdict(
     structure: StructureTracker | None,
     loss: torch.Tensor,
     with_grad: list[tuple[str, nn.Parameter]],
-    stats: dict[str, invariance.GradNorms],
+    norms: dict[str, invariance.GradNorms],
     rerun: cancellation_confirmation.Rerun,
     value: float,
     runnable: bool,
@@ -521,7 +521,7 @@ def _structure_verdict(
     if structure is None or found is None:
         note = f"structure pass off: {structure.failed}" if structure is not None else None
         return _Structural({}, frozenset(), names, note)
-    candidates = {n: c for n, c in found.cancellations.items() if n in stats}
+    candidates = {n: c for n, c in found.cancellations.items() if n in norms}
     note = None
     if candidates and runnable:
         params = dict(with_grad)
