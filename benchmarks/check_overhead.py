@@ -12,8 +12,9 @@ each figure is the median of the per-pair ratios.
 A second, *dispatch-bound* case follows: the same GPT-2 code at 12 layers of width
 64, batch 2x32, one thread. Its kernels are tiny, so a step costs what Python and
 torch's dispatch cost per op, as on a GPU: there the tracer's cost per intercepted
-call is what `check` adds. `--case` runs one of the two only; `--layers` sets the
-dispatch-bound model's depth.
+call is what `check` adds. It also prints the aten calls one check adds beyond a plain
+forward+backward, which on a GPU is dispatch time paid per call. `--case` runs one of
+the two only; `--layers` sets the dispatch-bound model's depth.
 
     python benchmarks/check_overhead.py [--pairs 15] [--threads 2] [--case 20m|dispatch|all]
         [--layers 12]
@@ -23,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from collections import Counter
+from pathlib import Path
 
 import torch
 import transformers
@@ -117,6 +121,24 @@ def main() -> None:
         model, ids = build(2, 32, width=64, layers=args.layers, heads=4)
         print()
         compare({"healthy": (model, None)}, ids, args.pairs, 1, "batch 2x32, dispatch-bound")
+        tensors, added = added_calls(args.layers)
+        top = ", ".join(f"{op.removeprefix('aten.')} {n}" for op, n in added.most_common(4))
+        print(
+            f"aten calls one check adds beyond a plain forward+backward ({tensors} parameter "
+            f"tensors): {sum(added.values())} ({top})"
+        )
+
+
+def added_calls(layers: int) -> tuple[int, Counter[str]]:
+    """The parameter tensors of a GPT-2 of `layers` blocks (width 64), and the aten
+    calls one check adds beyond a plain step: tests/check_calls.py's count, the one
+    tests/checking/test_check_cost.py bounds."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from tests.check_calls import added_by_check
+
+    return added_by_check(layers)
 
 
 def compare(
