@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import deadweight
 from deadweight.checking import flow_measurement, invariance
 
 
@@ -159,3 +160,27 @@ def test_a_check_takes_sums_for_zero_gradients_and_skips_them_for_the_rest() -> 
         assert g is not None and not g.exact_zero
         assert g.grad_dot_param is None and g.grad_sum is None
         assert g.grad_norm > 0
+
+
+def test_sums_are_those_of_the_checked_backward_when_loss_fn_zeroes_gradients_in_place() -> None:
+    """A pasted training step zeroes the gradients in place at each call; the confirming
+    re-run of a cancellation calls it again. The evidence must be the checked backward's."""
+
+    def evidence(zeroes: bool) -> dict[str, object]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+        def loss_fn() -> torch.Tensor:
+            if zeroes:
+                model.zero_grad(set_to_none=False)
+            return ((model(x) - y) ** 2).mean()
+
+        report = deadweight.check(model, loss_fn)
+        (finding,) = [f for f in report.findings if "0.bias" in f.params]
+        return finding.evidence["params"]["0.bias"]  # type: ignore[index]
+
+    plain, zeroing = evidence(False), evidence(True)
+    assert plain["grad_dot_param"] != 0.0 and plain["grad_sum"] != 0.0
+    for key in ("grad_norm", "grad_dot_param", "grad_sum"):
+        assert zeroing[key] == plain[key], key

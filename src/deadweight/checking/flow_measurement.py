@@ -350,18 +350,20 @@ def _statistics_and_probes(
         agree = sharded_flow.agreement(run.shards)
     with_grad = [(n, p) for n, p in run.trainable if n in norms]
     runnable = not failed and math.isfinite(value)
-    structural = _structure_verdict(
-        run.structure, loss, with_grad, norms, capturing, value, runnable, agree
-    )
-    screened = [(n, p) for n, p in with_grad if n in structural.unstructured]
+    found = _structure_found(run.structure, loss, with_grad, agree)
+    screened = [(n, p) for n, p in with_grad if n in found.unstructured]
     # <g, theta> and sum(g): for the screens and for the evidence of the findings that
-    # can show them (an exactly zero gradient, a cancellation)
+    # can show them (an exactly zero gradient, a cancellation). Taken before any
+    # re-run: a loss_fn that zeroes the gradients in place would zero them.
     stats = gradients.stats(
         run,
         flow,
         {n for n, _ in screened}
-        | set(structural.cancellations)
+        | set(found.cancellations)
         | {n for n, g in norms.items() if g.exact_zero},
+    )
+    structural = _structure_confirmed(
+        found, run.structure, with_grad, capturing, value, runnable, agree
     )
     if screened and _half(loss):
         structural = dataclasses.replace(
@@ -498,17 +500,13 @@ class _Structural:
     note: str | None
 
 
-def _structure_verdict(
+def _structure_found(
     structure: StructureTracker | None,
     loss: torch.Tensor,
     with_grad: list[tuple[str, nn.Parameter]],
-    norms: dict[str, invariance.GradNorms],
-    rerun: cancellation_confirmation.Rerun,
-    value: float,
-    runnable: bool,
     agree: cancellation_confirmation.Agree | None,
 ) -> _Structural:
-    """The structure pass's candidates, each confirmed by re-running the forward."""
+    """The structure pass's candidates, not yet confirmed (`_structure_confirmed`)."""
     names = frozenset(n for n, _ in with_grad)
     found = None
     if structure is not None and structure.failed is None:
@@ -521,13 +519,28 @@ def _structure_verdict(
     if structure is None or found is None:
         note = f"structure pass off: {structure.failed}" if structure is not None else None
         return _Structural({}, frozenset(), names, note)
-    candidates = {n: c for n, c in found.cancellations.items() if n in norms}
+    candidates = {n: c for n, c in found.cancellations.items() if n in names}
+    return _Structural(candidates, found.influencing, found.opaque & names, None)
+
+
+def _structure_confirmed(
+    found: _Structural,
+    structure: StructureTracker | None,
+    with_grad: list[tuple[str, nn.Parameter]],
+    rerun: cancellation_confirmation.Rerun,
+    value: float,
+    runnable: bool,
+    agree: cancellation_confirmation.Agree | None,
+) -> _Structural:
+    """The structure pass's candidates, each confirmed by re-running the forward."""
+    candidates = found.cancellations
+    if not candidates or structure is None:
+        return found
     note = None
-    if candidates and runnable:
-        params = dict(with_grad)
+    if runnable:
         candidates = cancellation_confirmation.confirm_by_op_outputs(
             candidates,
-            params,  # type: ignore[arg-type]
+            dict(with_grad),
             structure.outputs,
             rerun,
             value,
@@ -538,9 +551,9 @@ def _structure_verdict(
                 "structural candidates not confirmed: re-running loss_fn gave other "
                 "outputs; make it use one fixed batch"
             )
-    elif candidates:
+    else:
         note = "structural candidates not confirmed: the loss is not finite or backward failed"
-    return _Structural(candidates, found.influencing, found.opaque & names, note)
+    return dataclasses.replace(found, cancellations=candidates, note=note)
 
 
 def _ranks_agree(found: StructureResult | None, agree: cancellation_confirmation.Agree) -> bool:
