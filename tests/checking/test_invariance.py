@@ -80,6 +80,91 @@ def test_norms_and_sums_match_the_per_tensor_reference() -> None:
         assert _close(total, rsum, grad.double().abs().sum().item()), label
 
 
+def test_float64_entries_too_small_for_float32_are_not_an_exact_zero() -> None:
+    tiny = torch.zeros(5, dtype=torch.float64)
+    tiny[2] = 1e-300  # 0 in float32, and its square is 0 in float64
+    (n,) = invariance.gradient_norms([tiny], [torch.ones(5, dtype=torch.float64)])
+    assert not n.exact_zero
+    (zero,) = invariance.gradient_norms([torch.zeros(5, dtype=torch.float64)], [tiny])
+    assert zero.exact_zero
+
+
+def _sparse_grad(rows: list[int], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """An nn.Embedding(sparse=True) gradient: rows of a 6-row table, repeats included
+    (they add up when coalesced)."""
+    g = torch.Generator().manual_seed(len(rows))
+    values = torch.randn(len(rows), width, generator=g).to(dtype)
+    return torch.sparse_coo_tensor(torch.tensor([rows]), values, (6, width), check_invariants=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_sparse_gradient_is_read_from_its_stored_entries(dtype: torch.dtype) -> None:
+    theta = torch.randn(6, 3, generator=torch.Generator().manual_seed(5)).to(dtype)
+    grads = [_sparse_grad([0, 2, 2, 5], 3, dtype), _sparse_grad([], 3, dtype)]
+    norms = invariance.gradient_norms(grads, [theta, theta])
+    sums = invariance.gradient_sums(grads, [theta, theta])
+    for grad, n, (dot, total) in zip(grads, norms, sums, strict=True):
+        gnorm, pnorm, rdot, rsum, zero = _reference(grad.to_dense(), theta)
+        assert n.exact_zero is zero
+        assert _close(n.grad_norm, gnorm, gnorm) and _close(n.param_norm, pnorm, pnorm)
+        scale = (grad.to_dense().double() * theta.double()).abs().sum().item()
+        assert _close(dot, rdot, scale)
+        assert _close(total, rsum, grad.to_dense().double().abs().sum().item())
+    assert norms[1].exact_zero and sums[1] == (0.0, 0.0)
+
+
+def test_a_complex_parameter_is_read_as_its_real_and_imaginary_parts() -> None:
+    theta = torch.tensor([1 + 2j, -1j, 3, 0.5 - 0.5j], dtype=torch.complex64)
+    imaginary = torch.tensor([1j, -2j, 0.5j, 0j], dtype=torch.complex64)
+    (n,), ((dot, total),) = (
+        invariance.gradient_norms([imaginary], [theta]),
+        invariance.gradient_sums([imaginary], [theta]),
+    )
+    assert not n.exact_zero  # its real part alone is 0
+    assert n.grad_norm == pytest.approx(torch.linalg.vector_norm(imaginary).item())
+    assert n.param_norm == pytest.approx(torch.linalg.vector_norm(theta).item())
+    parts_g, parts_t = torch.view_as_real(imaginary), torch.view_as_real(theta)
+    assert dot == pytest.approx((parts_g * parts_t).sum().item())
+    assert total == pytest.approx(parts_g.sum().item())
+    sparse = imaginary.reshape(2, 2).to_sparse()
+    ((sdot, stotal),) = invariance.gradient_sums([sparse], [theta.reshape(2, 2)])
+    assert (sdot, stotal) == pytest.approx((dot, total))
+
+
+class _Lookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids)).logsumexp(-1).mean()
+
+
+class _Complex(nn.Module):
+    """A complex weight whose gradient is purely imaginary at this point."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.w.imag * x).pow(2).mean()
+
+
+def test_a_check_reads_sparse_and_complex_gradients() -> None:
+    torch.manual_seed(0)
+    lookup = _Lookup()
+    ids = torch.tensor([1, 2, 3])
+    assert not deadweight.check(lookup, lambda: lookup(ids)).findings
+    complex_model = _Complex()
+    x = torch.randn(8, 4)
+    stats = flow_measurement.measure_grad_flow(complex_model, lambda: complex_model(x))
+    w = next(p.grad for p in stats.params if p.name == "w")
+    assert w is not None and not w.exact_zero and w.grad_norm > 0
+
+
 def test_exact_zero_takes_the_largest_magnitude_of_zero_norm_gradients_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -125,8 +125,8 @@ def gradient_norms(
         return []
     same_device = len({p.device for p in params}) == 1
     with torch.no_grad():
-        grads = [_float32(g) for g in grads]
-        thetas = [_float32(p) for p in params]
+        grads = [_entries(g) for g in grads]
+        thetas = [_entries(p) for p in params]
         columns: list[Sequence[torch.Tensor]]
         if same_device:  # torch._foreach_*: one kernel per tensor on CPU, a few on a GPU
             columns = [torch._foreach_norm(grads), torch._foreach_norm(thetas)]
@@ -150,16 +150,47 @@ def gradient_sums(
     if not params:
         return []
     same_device = len({p.device for p in params}) == 1
+    dense = [k for k, g in enumerate(grads) if g.layout == torch.strided]
     with torch.no_grad():
-        grads = [_float32(g) for g in grads]
-        thetas = [_float32(p) for p in params]
+        dots: list[torch.Tensor | None] = [None] * len(grads)
+        sums: list[torch.Tensor | None] = [None] * len(grads)
+        gs = [_entries(grads[k]) for k in dense]
+        thetas = [_entries(params[k]) for k in dense]
         products: Sequence[torch.Tensor]
-        if same_device:
-            products = torch._foreach_mul(grads, thetas)
+        if same_device and gs:
+            products = torch._foreach_mul(gs, thetas)
         else:
-            products = [g * t for g, t in zip(grads, thetas, strict=True)]
-        values = _rows([[x.sum() for x in products], [g.sum() for g in grads]], same_device)
+            products = [g * t for g, t in zip(gs, thetas, strict=True)]
+        for k, x, g in zip(dense, products, gs, strict=True):
+            dots[k], sums[k] = x.sum(), g.sum()
+        for k, g in enumerate(grads):
+            if g.layout != torch.strided:
+                dots[k], sums[k] = _sparse_dot_and_sum(g, params[k])
+        values = _rows([_filled(dots), _filled(sums)], same_device)
     return [(v[0], v[1]) for v in values]
+
+
+def _sparse_dot_and_sum(
+    grad: torch.Tensor, param: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """<g, theta> and sum g for a sparse gradient (nn.Embedding(sparse=True)), over its
+    stored entries: densified, an embedding's gradient would be the size of its table.
+    A complex one as its real and imaginary parts, like `_entries`."""
+    g = grad.coalesce() if grad.layout == torch.sparse_coo else grad.to_sparse_coo().coalesce()
+    theta = param.detach()
+    if not g.is_complex() and g.dtype != torch.float64:
+        g, theta = g.float(), theta.float()
+    dot = torch.sparse.sum(g * (theta.conj() if g.is_complex() else theta))
+    total = torch.sparse.sum(g)
+    if g.is_complex():  # Re <g, theta> over the parts; the parts' sum
+        return dot.real, total.real + total.imag
+    return dot, total
+
+
+def _filled(column: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    out = [t for t in column if t is not None]
+    assert len(out) == len(column)
+    return out
 
 
 def _rows(columns: Sequence[Sequence[torch.Tensor]], same_device: bool) -> list[list[float]]:
@@ -183,10 +214,20 @@ def _largest_magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(foreach_max(torch._foreach_abs(full)))
 
 
-def _float32(t: torch.Tensor) -> torch.Tensor:
-    # Under no_grad a float32 tensor is used as it is: a detach and a cast per tensor
-    # were a third of the calls, each a dispatch that costs what a tiny kernel does.
-    return t if t.dtype == torch.float32 else t.float()
+def _entries(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s entries as a dense real tensor the statistics reduce over: a sparse
+    gradient's stored values (the others are 0), a complex tensor's real and imaginary
+    parts, half precision in float32. float64 stays: in float32 its tiniest entries
+    would round to 0 and pass for an exact zero. (Under no_grad a float32 tensor is
+    used as it is: a detach and a cast per tensor were a third of the calls, each a
+    dispatch that costs what a tiny kernel does.)"""
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce().values()
+    elif t.layout != torch.strided:  # compressed layouts keep their values likewise
+        t = t.values()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def grad_stats_from_sums(sums: Sequence[Sequence[float]], numels: Sequence[int]) -> list[GradStats]:
