@@ -64,12 +64,22 @@ def _close(a: float, b: float, scale: float) -> bool:
     return abs(a - b) <= 1e-5 * scale + 1e-30
 
 
-def test_norms_and_sums_match_the_per_tensor_reference() -> None:
+def _taken() -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], list, list, list, list]:
+    """The cases, their gradients and parameters, and their norms and sums as taken."""
     cases = _cases()
     grads = [g for _, g, _ in cases]
     params = [t for _, _, t in cases]
-    norms = invariance.gradient_norms(grads, params)
-    sums = invariance.gradient_sums(grads, params)
+    return (
+        cases,
+        grads,
+        params,
+        invariance.gradient_norms(grads, params),
+        invariance.gradient_sums(grads, params),
+    )
+
+
+def test_norms_and_sums_match_the_per_tensor_reference() -> None:
+    cases, _, _, norms, sums = _taken()
     for (label, grad, theta), n, (dot, total) in zip(cases, norms, sums, strict=True):
         gnorm, pnorm, rdot, rsum, zero = _reference(grad, theta)
         assert n.exact_zero is zero, label
@@ -188,11 +198,7 @@ def test_exact_zero_takes_the_largest_magnitude_of_zero_norm_gradients_only(
 
 
 def test_grad_stats_takes_sums_only_where_wanted() -> None:
-    cases = _cases()
-    grads = [g for _, g, _ in cases]
-    params = [t for _, _, t in cases]
-    norms = invariance.gradient_norms(grads, params)
-    every = invariance.gradient_sums(grads, params)
+    cases, grads, params, norms, every = _taken()
     wanted = [k % 3 == 0 for k in range(len(cases))]
     stats = invariance.grad_stats(grads, params, norms, wanted)
     for k, (s, n, (dot, total)) in enumerate(zip(stats, norms, every, strict=True)):
