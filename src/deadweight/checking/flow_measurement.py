@@ -285,13 +285,15 @@ class _Gradients:
     # FSDP2: every statistic of every parameter, summed over the ranks' shards at once
     whole: dict[str, GradStats] | None = None
 
-    def stats(self, run: _Run, flow: BackwardReach, wanted: set[str]) -> dict[str, GradStats]:
-        """Every statistic of each parameter with a gradient: <g, theta> and sum(g)
-        only for those in `wanted` (`invariance.grad_stats`). From the gradients the
-        checked backward left: a re-run since may have cleared `.grad`."""
+    def stats(
+        self, with_grad: list[tuple[str, nn.Parameter]], flow: BackwardReach, wanted: set[str]
+    ) -> dict[str, GradStats]:
+        """Every statistic of each parameter with a gradient (`with_grad`, those in
+        `norms`): <g, theta> and sum(g) only for those in `wanted`
+        (`invariance.grad_stats`). From the gradients the checked backward left: a
+        re-run since may have cleared `.grad`."""
         if self.whole is not None:
             return self.whole
-        with_grad = [(n, p) for n, p in run.trainable if n in self.norms]
         names = [n for n, _ in with_grad]
         return dict(
             zip(
@@ -356,7 +358,7 @@ def _statistics_and_probes(
     # can show them (an exactly zero gradient, a cancellation). Taken before any
     # re-run: a loss_fn that zeroes the gradients in place would zero them.
     stats = gradients.stats(
-        run,
+        with_grad,
         flow,
         {n for n, _ in screened}
         | set(found.cancellations)
