@@ -52,8 +52,10 @@ class ModuleCalls:
 class ModuleTracer:
     """Use as a context manager around the user's forward."""
 
-    def __init__(self, model: nn.Module) -> None:
-        named = list(model.named_modules())
+    def __init__(self, model: nn.Module, named: list[tuple[str, nn.Module]] | None = None) -> None:
+        """`named`: `model.named_modules()`, when the caller has just listed them."""
+        if named is None:
+            named = list(model.named_modules())
         self._names = {id(m): name for name, m in named}
         self._members = {
             id(child)

@@ -149,7 +149,9 @@ class ParamGuard:
 
 @contextmanager
 def preserved(
-    model: nn.Module, named: Sequence[tuple[str, nn.Parameter]] | None = None
+    model: nn.Module,
+    named: Sequence[tuple[str, nn.Parameter]] | None = None,
+    named_modules: Sequence[tuple[str, nn.Module]] | None = None,
 ) -> Iterator[ParamGuard]:
     """Snapshot everything a forward+backward may change, restore it on exit (also on error).
 
@@ -162,9 +164,10 @@ def preserved(
       op tracer calls before an in-place write to a parameter or to memory it shares
       (deadweight itself writes one only in the probes, which restore it).
 
-    `named`: `model.named_parameters()`, when the caller has just listed them.
+    `named`, `named_modules`: `model.named_parameters()` and `model.named_modules()`,
+    when the caller has just listed them.
     """
-    modules = list(model.modules())
+    modules = list(model.modules()) if named_modules is None else [m for _, m in named_modules]
     modes = [(m, m.training) for m in modules]
     buffers = _snapshot_buffers(modules)
     if named is None:

@@ -18,7 +18,7 @@ import functools
 import hashlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -105,13 +105,16 @@ def timeout_s() -> float:
     return value
 
 
-def is_wrapped_for_distribution(model: nn.Module) -> bool:
-    """A DDP wrapper, or a module sharded with FSDP2's `fully_shard` (at any depth)."""
+def is_wrapped_for_distribution(
+    model: nn.Module, modules: Iterable[nn.Module] | None = None
+) -> bool:
+    """A DDP wrapper, or a module sharded with FSDP2's `fully_shard` (at any depth).
+    `modules`: `model.modules()`, when the caller has just listed them."""
     if not isinstance(model, nn.Module):
         return False
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return True
-    return any(_is_fsdp2(m) for m in model.modules())
+    return any(_is_fsdp2(m) for m in (model.modules() if modules is None else modules))
 
 
 def _is_fsdp2(module: nn.Module) -> bool:
@@ -139,18 +142,21 @@ def sharded_names(params: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     return [n for n, p in params if hasattr(p, "to_local") and hasattr(p, "placements")]
 
 
-def ranks_for(model: nn.Module | None = None) -> Ranks | None:
+def ranks_for(
+    model: nn.Module | None = None, modules: Iterable[nn.Module] | None = None
+) -> Ranks | None:
     """This job's `Ranks` when it runs on more than one process, else None.
 
     A model wrapped for distribution in a process without an initialised process
     group is an error worth stating (DDP and FSDP2 cannot even be built that way, so
-    it means the group was torn down before deadweight ran).
+    it means the group was torn down before deadweight ran). `modules`:
+    `model.modules()`, when the caller has just listed them.
     """
     import torch.distributed as dist
 
     initialised = dist.is_available() and dist.is_initialized()
     if not initialised:
-        if model is not None and is_wrapped_for_distribution(model):
+        if model is not None and is_wrapped_for_distribution(model, modules):
             raise InputError(
                 f"{type(model).__name__} is wrapped for distributed training but "
                 "torch.distributed is not initialised in this process (was "
@@ -204,13 +210,18 @@ class Layout:
 def layout_for_check(model: Any) -> Iterator[Layout]:
     """The model's `Layout`; inside, a DDP model's forward and backward stay local
     (`local_backward`). The check's one distributed call before it measures."""
-    ranks = ranks_for(model)
-    if isinstance(model, nn.Module):
+    # One walk of the modules serves the three questions below.
+    modules = list(model.modules()) if isinstance(model, nn.Module) else None
+    ranks = ranks_for(model, modules)
+    sharded = False
+    if modules is not None:
         # A forward under no_grad (an evaluation, a sample printed) leaves FSDP2's root
         # parameters gathered, registered in place of the DTensors; the check's own
         # forward would free their memory under it.
-        fsdp2_reshard(model)
-    sharded = isinstance(model, nn.Module) and holds_dtensors(list(model.parameters()))
+        fsdp2_reshard(model, modules)
+        sharded = holds_dtensors(
+            [p for m in modules for p in m._parameters.values() if p is not None]
+        )
     layout = Layout(ranks, Shards(ranks) if sharded else None)
     if not isinstance(model, nn.Module):
         yield layout
@@ -329,7 +340,7 @@ def ddp_ranks(model: nn.Module) -> tuple[int, ...] | None:
     return None if len(ranks) == dist.get_world_size() else ranks
 
 
-def fsdp2_reshard(model: nn.Module) -> None:
+def fsdp2_reshard(model: nn.Module, modules: Iterable[nn.Module] | None = None) -> None:
     """Put every FSDP2 module of `model` back in its sharded state (local, no collective).
 
     After a forward under no_grad, FSDP2 keeps the root module's parameters (and
@@ -337,9 +348,10 @@ def fsdp2_reshard(model: nn.Module) -> None:
     backward comes to reshard them, and the next forward reuses the gathered copy: a
     value written to a sharded parameter in between would go unseen by it, and the
     stale copy would outlive the check into training. Resharding makes the next
-    forward all-gather the shards as they are.
+    forward all-gather the shards as they are. `modules`: `model.modules()`, when the
+    caller has just listed them.
     """
-    for module in model.modules():
+    for module in model.modules() if modules is None else modules:
         if _is_fsdp2(module):
             module.reshard()  # type: ignore[operator]
 
