@@ -151,7 +151,8 @@ class StructureTracker:
             entry = self._entry.get(i)
             if entry is None:
                 entry = self._entry[i] = _param_entry(i, value.shape)
-                self._coarsen(entry, value)
+                if value.dtype not in _FINE_DTYPES:
+                    self._coarsen(entry, value)
             return entry
         return self._carriers.get(value)
 
@@ -186,8 +187,11 @@ class StructureTracker:
     def _set(self, out: object, c: Carrier) -> None:
         if isinstance(out, Tensor):
             if c.lost or c.partial or c.pure:
-                self._carriers.set(out, c)
-                self._coarsen(c, out)
+                # `_TensorCarriers.set`, inlined (it runs for every output of every
+                # carrying call), and `_coarsen` only for a dtype coarser than float32
+                self._carriers.by_id[id(out)] = (weakref.ref(out), c)
+                if c.pure and out.dtype not in _FINE_DTYPES:
+                    self._coarsen(c, out)
             else:
                 self._carriers.discard(out)
 
@@ -210,7 +214,11 @@ class StructureTracker:
         return n
 
     def observe(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        ordinal = self.count(name) if name in COUNTED else -1
+        if name in COUNTED:  # `count`, inlined
+            ordinal = self.ordinals.get(name, 0)
+            self.ordinals[name] = ordinal + 1
+        else:
+            ordinal = -1
         if self.failed is not None:
             return
         try:
@@ -254,7 +262,7 @@ class StructureTracker:
         # Most calls need no bookkeeping: those that return no tensor (shape, size,
         # dtype) and those whose inputs carry no parameter's effect (ids, masks,
         # positions): they leave before any carrier is made.
-        outs = tensor_outputs(out)
+        outs = [out] if isinstance(out, Tensor) else tensor_outputs(out)
         if not outs or not self._carries_any(args, kwargs):
             return
         if name in CARRY_THROUGH and args and isinstance(args[0], Tensor):
@@ -436,6 +444,13 @@ def _param_entry(i: int, shape: torch.Size) -> Carrier:
         )
     return entry
 
+
+# dtypes whose rounding is float32's or finer: a pure effect in them coarsens nothing
+_FINE_DTYPES = frozenset(
+    d
+    for d in (torch.float32, torch.float64, torch.complex64, torch.complex128, torch.bool)
+    if unit_roundoff(d) <= FLOAT32_ROUNDOFF
+)
 
 # (parameter index, shape) -> `_param_entry`
 _PARAM_ENTRIES: dict[tuple[int, tuple[int, ...]], Carrier] = {}

@@ -176,6 +176,45 @@ def _reshape_dims(
     return frozenset(result)
 
 
+DimMapping = Callable[[frozenset[int]], "frozenset[int] | None"]
+
+
+class DimMap:
+    """A pure function of a facet's dims (`map_carrier`'s mapping), remembered per dim
+    set: the calls of one forward repeat a few shapes layer after layer, and their
+    facets a few dim sets."""
+
+    __slots__ = ("_known", "_mapping")
+
+    def __init__(self, mapping: DimMapping) -> None:
+        self._mapping = mapping
+        self._known: dict[frozenset[int], frozenset[int] | None] = {}
+
+    def __call__(self, dims: frozenset[int]) -> frozenset[int] | None:
+        try:
+            return self._known[dims]
+        except KeyError:
+            found = self._known[dims] = self._mapping(dims)
+            return found
+
+
+_DIM_MAPS: dict[Any, DimMap | None] = {}
+
+
+def dim_map(key: Any, make: Callable[[], DimMapping | None]) -> DimMap | None:
+    """The `DimMap` of an op's shapes and arguments (`key`, hashable), made by `make`
+    the first time; None where `make` says the call cannot be read."""
+    try:
+        return _DIM_MAPS[key]
+    except KeyError:
+        pass
+    if len(_DIM_MAPS) > 4096:  # bounded, whatever the shapes
+        _DIM_MAPS.clear()
+    mapping = make()
+    found = _DIM_MAPS[key] = DimMap(mapping) if mapping is not None else None
+    return found
+
+
 # -- facet algebra ------------------------------------------------------------------
 
 
@@ -232,12 +271,18 @@ def general(carriers: Iterable[Carrier]) -> Carrier:
 def finish(lost: int, partial: int, pure: dict[int, Facet]) -> Carrier:
     """The carrier of lost, partial and pure effects (a lost effect is no longer pure;
     a pure one whose full facet is unknown is partial)."""
-    if lost:
-        for e in [e for e in pure if lost >> e & 1]:
-            del pure[e]
-    for e, f in pure.items():
-        if f.full is None:
+    dropped = None
+    for e, f in pure.items():  # one pass: it runs for nearly every carrying call
+        if lost >> e & 1:
+            if dropped is None:
+                dropped = [e]
+            else:
+                dropped.append(e)
+        elif f.full is None:
             partial |= 1 << e
+    if dropped is not None:
+        for e in dropped:
+            del pure[e]
     return Carrier(lost, partial & ~lost, pure)
 
 

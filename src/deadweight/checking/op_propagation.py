@@ -27,9 +27,12 @@ from deadweight.checking.carrier_algebra import (
     SHIFT,
     ZERO,
     Carrier,
+    DimMap,
+    DimMapping,
     Facet,
     all_dims,
     broadcast_map,
+    dim_map,
     finish,
     flat_args,
     general,
@@ -63,12 +66,15 @@ class OpCall:
     """One traced call, as a propagator sees it. (A plain class with slots: one is
     made for every traced call that carries an effect.)"""
 
-    __slots__ = ("absorbed", "args", "kwargs", "name", "ordinal", "out", "tracker", "where")
+    __slots__ = ("absorbed", "args", "c", "kwargs", "name", "ordinal", "out", "tracker", "where")
 
     def __init__(
         self, tracker: CarrierSource, name: str, ordinal: int, args: tuple, kwargs: dict, out: Any
     ) -> None:
         self.tracker = tracker
+        # An input's carrier: the tracker's own method, bound once per call (a method
+        # of this class calling it cost a Python call per read, ~650 per forward)
+        self.c: Callable[[object], Carrier] = tracker.carrier
         self.name = name
         self.ordinal = ordinal
         self.args = args
@@ -83,9 +89,6 @@ class OpCall:
         if len(self.args) > i:
             return self.args[i]
         return self.kwargs.get(key, default)
-
-    def c(self, value: object) -> Carrier:
-        return self.tracker.carrier(value)
 
 
 # -- shape-only ops ------------------------------------------------------------
@@ -111,18 +114,25 @@ def propagate_same(ctx: OpCall) -> Carrier:
 
 
 def propagate_reshape(ctx: OpCall) -> Carrier:
-    c = ctx.c(ctx.args[0])
+    x = ctx.args[0]
+    c = ctx.c(x)
     if not c.pure:
         return c  # dependences only: no dims to map
-    shapes = _first_shape(ctx)
-    if shapes is None:
+    out = ctx.out
+    if not isinstance(x, Tensor) or not isinstance(out, Tensor):
         return general([c])
-    i, o = shapes
+    i, o = x.shape, out.shape
+    mapping = dim_map(("reshape", i, o), lambda: _reshaping(list(i), list(o)))
+    assert mapping is not None
+    return map_carrier(c, mapping)
+
+
+def _reshaping(i: list[int], o: list[int]) -> DimMapping:
     if math.prod(i) == math.prod(o):
-        return map_carrier(c, lambda d: reshape_dims(i, o, d))
+        return lambda d: reshape_dims(i, o, d)
     # expand / broadcast_to / repeat: right-aligned; a repeated dim keeps its variation
     m = broadcast_map(i, o)
-    return map_carrier(c, lambda d: nontrivial(o, (m(x) for x in d)))
+    return lambda d: nontrivial(o, (m(x) for x in d))
 
 
 def _permutation(ctx: OpCall, ndim: int) -> list[int] | None:
@@ -161,11 +171,25 @@ def propagate_permute(ctx: OpCall) -> Carrier:
     c = ctx.c(x)
     if not isinstance(x, Tensor):
         return general([c])
-    perm = _permutation(ctx, x.dim())
-    if perm is None or sorted(perm) != list(range(x.dim())):
-        return general([c])
+    ndim = x.dim()
+    rest, kwargs = ctx.args[1:], ctx.kwargs
+    mapping: DimMapping | None
+    try:
+        # remembered by the call's dims, but never by a tensor (a key would hold it)
+        if any(isinstance(v, Tensor) for v in (*rest, *kwargs.values())):
+            raise TypeError
+        key = ("permute", ctx.name, ndim, rest, tuple(kwargs.items()))
+        mapping = dim_map(key, lambda: _permuting(_permutation(ctx, ndim), ndim))
+    except TypeError:  # an unhashable argument (a list of dims), or a tensor: read afresh
+        mapping = _permuting(_permutation(ctx, ndim), ndim)
+    return general([c]) if mapping is None else map_carrier(c, mapping)
+
+
+def _permuting(perm: list[int] | None, ndim: int) -> DimMapping | None:
+    if perm is None or sorted(perm) != list(range(ndim)):
+        return None
     where = {src: dst for dst, src in enumerate(perm)}
-    return map_carrier(c, lambda d: frozenset(where[x] for x in d))
+    return lambda d: frozenset(where[x] for x in d)
 
 
 def propagate_slice(ctx: OpCall) -> Carrier | list[Carrier]:
@@ -267,7 +291,14 @@ def _aligned(value: Any, c: Carrier, out_shape: Sequence[int]) -> Carrier:
         kept = all_dims(out_shape)
         if all(f.full is None or f.full <= kept for f in c.pure.values()):
             return c
-    return map_carrier(c, lambda d: nontrivial(out_shape, [x + offset for x in d]))
+    out = tuple(out_shape)
+    mapping = dim_map(("aligned", offset, out), lambda: _shifted(out, offset))
+    assert mapping is not None
+    return map_carrier(c, mapping)
+
+
+def _shifted(out_shape: tuple[int, ...], offset: int) -> DimMapping:
+    return lambda d: nontrivial(out_shape, [x + offset for x in d])
 
 
 def _is_small_constant(value: Any) -> bool:
@@ -281,7 +312,7 @@ def _combine(
 ) -> Carrier:
     ca = _aligned(a, ctx.c(a), out_shape)
     cb = _aligned(b, ctx.c(b), out_shape)
-    lost, partial = merge_general([ca, cb])
+    lost, partial = ca.lost | cb.lost, ca.partial | cb.partial
     pure: dict[int, Facet] = {}
     pa, pb = ca.pure, cb.pure
     # A shift on one side of a sum passes unchanged (the same term added), unless it
@@ -289,7 +320,10 @@ def _combine(
     # taken here for the residual stream's many shifts without a call each.
     additive = op in ("add", "sub")
     b_kept = op == "add" and alpha in (None, 1)
-    for e in set(pa) | set(pb):
+    # One side's entities as they are, without a set made of them: only an entity on
+    # both sides can be cancelled here, so the order in which they are taken matters
+    # only then (to the order of the records), and then it stays the sets' union.
+    for e in (set(pa) | set(pb)) if pa and pb else (pa or pb):
         if lost >> e & 1:
             continue
         fa, fb = pa.get(e), pb.get(e)
@@ -573,31 +607,13 @@ def _matmul_carrier(
     ca, cb = ctx.c(a), ctx.c(b)
     if not isinstance(a, Tensor) or not isinstance(b, Tensor):
         return general([ca, cb])
-    a_shape = list(a.shape)
-    b_shape = list(reversed(b.shape)) if b_is_transposed_weight else list(b.shape)
-    if len(a_shape) < 2 or len(b_shape) < 2:
+    a_rank, b_rank = a.dim(), b.dim()
+    if a_rank < 2 or b_rank < 2:
         return general([ca, cb])
-    nd = len(out_shape)
-    m_dim = nd - 1
-    batch_out = nontrivial(out_shape, range(nd - 2))
-
-    def a_map(d: frozenset[int]) -> frozenset[int] | None:
-        k = len(a_shape) - 1
-        if k in d:
-            return None
-        off = nd - len(a_shape)
-        return nontrivial(out_shape, (x + off for x in d))
-
-    def b_map(d: frozenset[int]) -> frozenset[int] | None:
-        if b_is_transposed_weight:
-            d = frozenset({0: 1, 1: 0}[x] for x in d)
-        k = len(b_shape) - 2
-        if k in d:
-            return None
-        off = nd - len(b_shape)
-        return nontrivial(out_shape, (x + off for x in d))
-
-    lost, partial = merge_general([ca, cb])
+    a_map, b_map, a_shift, b_shift = _matmul_maps(
+        a_rank, b_rank, tuple(out_shape), b_is_transposed_weight
+    )
+    lost, partial = ca.lost | cb.lost, ca.partial | cb.partial
     pure: dict[int, Facet] = {}
     for e in set(ca.pure) | set(cb.pure):
         if lost >> e & 1:
@@ -622,9 +638,8 @@ def _matmul_carrier(
         f = fa if fa is not None else fb
         assert f is not None
         on_a = fa is not None
-        mapping = a_map if on_a else b_map
         if f.kind == SCALE:
-            full = None if f.full is None else mapping(f.full)
+            full = None if f.full is None else (a_map if on_a else b_map)(f.full)
             if full is None and not f.uniform:
                 lost |= 1 << e
                 continue
@@ -635,27 +650,63 @@ def _matmul_carrier(
         if f.full is None:
             lost |= 1 << e
             continue
-        if on_a:
-            full = (
-                (mapping(f.full - {len(a_shape) - 1}) or frozenset())
-                | nontrivial(out_shape, [m_dim])
-                | batch_out
-            )
-        else:
-            full = _shifted_b_dims(f.full, b_shape, out_shape, b_is_transposed_weight)
-        pure[e] = Facet(SHIFT, full, False, tag=new_tag())
+        pure[e] = Facet(SHIFT, (a_shift if on_a else b_shift)(f.full), False, tag=new_tag())
     return finish(lost, partial, pure)
 
 
+def _matmul_maps(
+    a_rank: int, b_rank: int, out_shape: tuple[int, ...], transposed: bool
+) -> tuple[DimMap, DimMap, DimMap, DimMap]:
+    """How a @ b maps the dims of a facet of a (scale, shift) and of b (scale, shift)
+    to the output's, remembered per ranks and output shape (`_matmul_carrier`)."""
+    key = ("matmul", a_rank, b_rank, out_shape, transposed)
+    maps = _MATMUL_MAPS.get(key)
+    if maps is not None:
+        return maps
+    nd = len(out_shape)
+    m_dim = nd - 1
+    batch_out = nontrivial(out_shape, range(nd - 2))
+
+    def a_map(d: frozenset[int]) -> frozenset[int] | None:
+        k = a_rank - 1
+        if k in d:
+            return None
+        off = nd - a_rank
+        return nontrivial(out_shape, (x + off for x in d))
+
+    def b_map(d: frozenset[int]) -> frozenset[int] | None:
+        if transposed:
+            d = frozenset({0: 1, 1: 0}[x] for x in d)
+        k = b_rank - 2
+        if k in d:
+            return None
+        off = nd - b_rank
+        return nontrivial(out_shape, (x + off for x in d))
+
+    def a_shift(d: frozenset[int]) -> frozenset[int]:
+        return (a_map(d - {a_rank - 1}) or frozenset()) | nontrivial(out_shape, [m_dim]) | batch_out
+
+    def b_shift(d: frozenset[int]) -> frozenset[int]:
+        return _shifted_b_dims(d, b_rank, out_shape, transposed)
+
+    if len(_MATMUL_MAPS) > 4096:  # bounded, whatever the shapes
+        _MATMUL_MAPS.clear()
+    maps = _MATMUL_MAPS[key] = (DimMap(a_map), DimMap(b_map), DimMap(a_shift), DimMap(b_shift))
+    return maps
+
+
+_MATMUL_MAPS: dict[tuple[Any, ...], tuple[DimMap, DimMap, DimMap, DimMap]] = {}
+
+
 def _shifted_b_dims(
-    s: frozenset[int], b_shape: Sequence[int], out_shape: Sequence[int], transposed: bool
+    s: frozenset[int], b_rank: int, out_shape: Sequence[int], transposed: bool
 ) -> frozenset[int]:
     """The output dims along which A (B + s) - AB = As varies: n and A's batch dims, and
     m only if s varies along B's last dim."""
     nd = len(out_shape)
     if transposed:
         s = frozenset({0: 1, 1: 0}[x] for x in s)
-    m_varies = (len(b_shape) - 1) in s
+    m_varies = (b_rank - 1) in s
     return (
         nontrivial(out_shape, [nd - 2])
         | nontrivial(out_shape, range(nd - 2))
@@ -738,7 +789,7 @@ def propagate_conv(ctx: OpCall) -> Carrier:
     ]
     if not isinstance(out, Tensor) or any(o.lost or o.pure or o.partial for o in others):
         return general([cx, cw, ctx.c(bias), *others])
-    lost, partial = merge_general([cx, cw])
+    lost, partial = cx.lost | cw.lost, cx.partial | cw.partial
     pure: dict[int, Facet] = {}
     channel = nontrivial(out.shape, [1])
     for e in set(cx.pure) | set(cw.pure):
@@ -779,7 +830,7 @@ def propagate_conv(ctx: OpCall) -> Carrier:
 
 def add_term(left: Carrier, right: Carrier) -> Carrier:
     """left + right, with `right` already in the output's dims."""
-    lost, partial = merge_general([left, right])
+    lost, partial = left.lost | right.lost, left.partial | right.partial
     pure: dict[int, Facet] = {}
     for e in set(left.pure) | set(right.pure):
         fa, fb = left.pure.get(e), right.pure.get(e)
@@ -799,7 +850,7 @@ def add_term(left: Carrier, right: Carrier) -> Carrier:
 
 def mul_term(left: Carrier, right: Carrier, right_varying: frozenset[int]) -> Carrier:
     """left * right, `right` in the output's dims and varying along `right_varying`."""
-    lost, partial = merge_general([left, right])
+    lost, partial = left.lost | right.lost, left.partial | right.partial
     pure: dict[int, Facet] = {}
     for e in set(left.pure) | set(right.pure):
         fa, fb = left.pure.get(e), right.pure.get(e)

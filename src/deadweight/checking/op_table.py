@@ -23,7 +23,9 @@ from deadweight.checking.carrier_algebra import (
     SCALE,
     SHIFT,
     Carrier,
+    DimMapping,
     Facet,
+    dim_map,
     finish,
     flat_args,
     general,
@@ -116,13 +118,34 @@ def _affine(
             if is_weight:
                 result = mul_term(result, EMPTY, nontrivial(shape, dims))
             continue
-        laid = list(dims)[-value.dim() :] if value.dim() else []
-        mapped = map_carrier(cv, lambda d, laid=laid: nontrivial(shape, [laid[x] for x in d]))  # type: ignore[misc]
+        laid = tuple(dims)[-value.dim() :] if value.dim() else ()
+        mapping = dim_map(("affine", laid, shape), lambda laid=laid: _laid_along(shape, laid))  # type: ignore[misc]
+        assert mapping is not None
+        mapped = map_carrier(cv, mapping)
         if is_weight:
-            result = mul_term(result, mapped, nontrivial(shape, laid))
+            result = mul_term(result, mapped, _nontrivial(shape, laid))
         else:
             result = add_term(result, mapped)
     return result
+
+
+def _nontrivial(shape: torch.Size, dims: tuple[int, ...]) -> frozenset[int]:
+    """`nontrivial`, remembered per shape and dims (every norm of a forward asks the same)."""
+    key = (shape, dims)
+    found = _NONTRIVIAL.get(key)
+    if found is None:
+        if len(_NONTRIVIAL) > 4096:
+            _NONTRIVIAL.clear()
+        found = _NONTRIVIAL[key] = nontrivial(shape, dims)
+    return found
+
+
+_NONTRIVIAL: dict[tuple[torch.Size, tuple[int, ...]], frozenset[int]] = {}
+
+
+def _laid_along(shape: Sequence[int], laid: tuple[int, ...]) -> DimMapping:
+    """A weight's or bias's dims, laid along the output dims `laid`."""
+    return lambda d: nontrivial(shape, [laid[x] for x in d])
 
 
 def _propagate_layer_norm(rms: bool) -> Callable[[OpCall], Carrier]:
@@ -135,12 +158,28 @@ def _propagate_layer_norm(rms: bool) -> Callable[[OpCall], Carrier]:
         if not isinstance(x, Tensor) or not isinstance(out, Tensor):
             return general([ctx.c(v) for v in flat_args(ctx.args, ctx.kwargs)])
         n = len(shape) if isinstance(shape, (list, tuple, torch.Size)) else 1
-        over = frozenset(range(x.dim() - n, x.dim()))
-        kinds = (SCALE,) if rms else (SCALE, SHIFT)
-        normed = _cancel(ctx, ctx.c(x), over, None, kinds, "RMSNorm" if rms else "LayerNorm")
-        return _affine(ctx, normed, w, b, out, sorted(over))
+        ndim = x.dim()
+        over, dims = _last_dims(ndim - n, ndim)
+        normed = _cancel(ctx, ctx.c(x), over, None, kinds, op)
+        return _affine(ctx, normed, w, b, out, dims)
 
+    kinds = (SCALE,) if rms else (SCALE, SHIFT)
+    op = "RMSNorm" if rms else "LayerNorm"
     return rule
+
+
+def _last_dims(start: int, stop: int) -> tuple[frozenset[int], list[int]]:
+    """The dims a norm normalizes over, as a set and in order (remembered)."""
+    found = _LAST_DIMS.get((start, stop))
+    if found is None:
+        found = _LAST_DIMS[(start, stop)] = (
+            frozenset(range(start, stop)),
+            list(range(start, stop)),
+        )
+    return found
+
+
+_LAST_DIMS: dict[tuple[int, int], tuple[frozenset[int], list[int]]] = {}
 
 
 def _propagate_group_norm(ctx: OpCall) -> Carrier:

@@ -217,12 +217,20 @@ class OpTracer(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        name = op_name(func)
+        try:  # `op_name`, inlined: this runs for every torch call of the forward
+            name = _NAMES[func]
+        except (KeyError, TypeError):
+            name = op_name(func)
         if not self._functions and name in _METADATA:
             return func(*args, **kwargs)  # nothing to note: no tensor, no cut, no write
         pre_roots = _grad_roots(args, kwargs) if func is _DETACH_INPLACE else None
-        if self._before_param_write is not None and (_may_write(func) or "out" in kwargs):
-            self._note_param_writes(func, args, kwargs)
+        if self._before_param_write is not None:
+            try:  # `_may_write`, inlined
+                may_write = _MAY_WRITE[func]
+            except (KeyError, TypeError):
+                may_write = _may_write(func)
+            if may_write or "out" in kwargs:
+                self._note_param_writes(func, args, kwargs)
         out = func(*args, **kwargs)
 
         if self._functions:

@@ -41,8 +41,13 @@ _INTERNAL: dict[str, bool] = {}
 def user_frame(start: FrameType | None = None) -> FrameType | None:
     """The innermost frame outside torch and deadweight, walking outward from `start`."""
     frame: FrameType | None = start if start is not None else sys._getframe(1)
+    known = _INTERNAL
     while frame is not None:
-        if not _is_internal(frame.f_code.co_filename):
+        filename = frame.f_code.co_filename
+        internal = known.get(filename)  # `_is_internal`, inlined: every module call walks
+        if internal is None:
+            internal = _is_internal(filename)
+        if not internal:
             return frame
         frame = frame.f_back
     return None
