@@ -263,14 +263,20 @@ class StructureTracker:
         # dtype) and those whose inputs carry no parameter's effect (ids, masks,
         # positions): they leave before any carrier is made.
         outs = [out] if isinstance(out, Tensor) else tensor_outputs(out)
-        if not outs or not self._carries_any(args, kwargs):
+        if not outs:
             return
-        if name in CARRY_THROUGH and args and isinstance(args[0], Tensor):
-            c = self.carrier(args[0])
-            if not c.pure and c is not EMPTY and not self._carries_any(args[1:], kwargs):
+        first = args[0] if args else None
+        if isinstance(first, Tensor):  # most calls: its carrier is read once, here
+            c = self.carrier(first)
+            if c is EMPTY:
+                if not self._carries_any(args[1:], kwargs):
+                    return
+            elif not c.pure and name in CARRY_THROUGH and not self._carries_any(args[1:], kwargs):
                 for o in outs:
                     self._set(o, c)
                 return
+        elif not self._carries_any(args, kwargs):
+            return
         propagate = PROPAGATORS.get(name)
         if propagate is None:
             carriers = [self.carrier(v) for v in flat_args(args, kwargs)]
