@@ -1,6 +1,7 @@
 """The carrier algebra's shared operations against slow references: `map_carrier`
-maps each distinct dim set once and hands back an unchanged carrier as it is, and the
-looked-up `all_dims` answers what `nontrivial` computes."""
+maps each distinct dim set once and hands back an unchanged carrier as it is, the
+looked-up `all_dims` answers what `nontrivial` computes, a `DimMap` answers what its
+mapping does, once per dim set, and `finish` what its two passes did."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from fractions import Fraction
 
 import torch
 
+from deadweight.checking import carrier_algebra
 from deadweight.checking.carrier_algebra import (
     SCALE,
     SHIFT,
     Carrier,
+    DimMap,
     Facet,
     all_dims,
+    dim_map,
+    finish,
     map_carrier,
     nontrivial,
 )
@@ -130,3 +135,64 @@ def test_all_dims_is_the_nontrivial_dims() -> None:
         assert all_dims(shape) == expected
         assert all_dims(torch.Size(shape)) == expected
         assert all_dims(tuple(shape)) == expected
+
+
+def test_a_dim_map_answers_its_mapping_once_per_dim_set() -> None:
+    rng = random.Random(2)
+    calls: list[frozenset[int]] = []
+
+    def mapping(d: frozenset[int]) -> frozenset[int] | None:
+        calls.append(d)
+        return None if 3 in d else frozenset(x + 1 for x in d)
+
+    remembered = DimMap(mapping)
+    for _ in range(200):
+        d = frozenset(rng.sample(range(5), rng.randint(0, 5)))
+        assert remembered(d) == (None if 3 in d else frozenset(x + 1 for x in d))
+    assert len(calls) == len(set(calls)) <= 32  # each distinct set once (None included)
+
+
+def test_dim_map_is_made_once_per_key_and_says_none_for_an_unreadable_call() -> None:
+    made: list[str] = []
+
+    def make(tag: str, readable: bool):  # type: ignore[no-untyped-def]
+        def build():  # type: ignore[no-untyped-def]
+            made.append(tag)
+            return (lambda d: d) if readable else None
+
+        return build
+
+    key = ("test", object())  # a key no propagator makes
+    first = dim_map(key, make("a", True))
+    assert first is not None and dim_map(key, make("b", True)) is first
+    unreadable = ("test-unreadable", object())
+    assert dim_map(unreadable, make("c", False)) is None
+    assert dim_map(unreadable, make("d", False)) is None
+    assert made == ["a", "c"]
+    # bounded: past 4096 keys the remembered maps are dropped, not grown without end
+    for i in range(5000):
+        dim_map(("test-many", i), make("x", True))
+    assert len(carrier_algebra._DIM_MAPS) <= 4097
+
+
+def finish_reference(lost: int, partial: int, pure: dict[int, Facet]) -> Carrier:
+    """`finish` as two passes: the lost effects dropped, then the unknown full facets
+    marked partial."""
+    kept = {e: f for e, f in pure.items() if not lost >> e & 1}
+    for e, f in kept.items():
+        if f.full is None:
+            partial |= 1 << e
+    return Carrier(lost, partial & ~lost, kept)
+
+
+def test_finish_matches_its_two_pass_reference() -> None:
+    rng = random.Random(3)
+    dropped = 0
+    for _ in range(400):
+        c = random_carrier(rng, rng.randint(1, 4))
+        lost = c.lost | sum(1 << e for e in c.pure if rng.random() < 0.3)
+        expected = finish_reference(lost, c.partial, dict(c.pure))
+        got = finish(lost, c.partial, dict(c.pure))
+        assert got == expected and list(got.pure) == list(expected.pure)
+        dropped += len(c.pure) - len(got.pure)
+    assert dropped > 100
