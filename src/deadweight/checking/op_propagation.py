@@ -172,15 +172,14 @@ def propagate_permute(ctx: OpCall) -> Carrier:
     if not isinstance(x, Tensor):
         return general([c])
     ndim = x.dim()
-    rest, kwargs = ctx.args[1:], ctx.kwargs
+    rest = ctx.args[1:]
     mapping: DimMapping | None
-    try:
-        # remembered by the call's dims, but never by a tensor (a key would hold it)
-        if any(isinstance(v, Tensor) for v in (*rest, *kwargs.values())):
-            raise TypeError
-        key = ("permute", ctx.name, ndim, rest, tuple(kwargs.items()))
+    if not ctx.kwargs and all(type(d) is int for d in rest):
+        # remembered by the dims, when they are plain ints (`x.transpose(1, 2)`): another
+        # type that compares equal (a numpy int, a bool) is read afresh, as is a list
+        key = ("permute", ctx.name, ndim, rest)
         mapping = dim_map(key, lambda: _permuting(_permutation(ctx, ndim), ndim))
-    except TypeError:  # an unhashable argument (a list of dims), or a tensor: read afresh
+    else:
         mapping = _permuting(_permutation(ctx, ndim), ndim)
     return general([c]) if mapping is None else map_carrier(c, mapping)
 
