@@ -67,21 +67,14 @@ def _own_parameters(module: nn.Module) -> Iterable[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in module._parameters.items() if p is not None]
 
 
-def parameter_roles(
-    model: nn.Module,
-    named_modules: Iterable[tuple[str, nn.Module]] | None = None,
-    named: Iterable[tuple[str, nn.Parameter]] | None = None,
-) -> dict[str, tuple[str, str]]:
-    """name -> (role, owner module class) for every parameter, tied ones once.
-
-    `named_modules`, `named`: `model.named_modules()` and `model.named_parameters()`,
-    when the caller has just listed them."""
+def parameter_roles(model: nn.Module) -> dict[str, tuple[str, str]]:
+    """name -> (role, owner module class) for every parameter, tied ones once."""
     owners: dict[int, tuple[nn.Module, str]] = {}
-    for _, module in model.named_modules() if named_modules is None else named_modules:
+    for _, module in model.named_modules():
         for local, p in _own_parameters(module):
             owners.setdefault(id(p), (module, local))
     roles = {}
-    for name, p in model.named_parameters() if named is None else named:
+    for name, p in model.named_parameters():
         # By identity: the name need not be the module path and the local name joined
         # (`deadweight run` names the parameters of several models `Encoder:fc.weight`).
         module, local = owners[id(p)]

@@ -626,3 +626,22 @@ def test_parameter_entries_are_shared_between_checks_and_unique_within_one() -> 
             assert set(c.pure) == {2 * i, 2 * i + 1}
     # a parameter's effects vary along every dim of it longer than 1
     assert a[2].pure[4].full == frozenset({0, 1}) and a[3].pure[6].full == frozenset()
+
+
+@pytest.mark.parametrize("order", [("shift", "scale"), ("scale", "shift")])
+def test_of_two_full_cancellations_of_one_parameter_the_scale_is_reported(order) -> None:
+    """Which of a parameter's effects a call records first follows the order its
+    carriers hold them in, which is no conclusion of the pass: when both are cancelled
+    in full, the verdict names the scale either way."""
+    from deadweight.checking.cancellation import _Absorbed
+
+    p = nn.Parameter(torch.ones(3))
+    tracker = StructureTracker({id(p): p}, {id(p): "p"})
+    for kind in order:
+        entity = 0 if kind == "scale" else 1
+        where = (None, None, 2.0**-24)
+        tracker.absorbed[entity] = [
+            _Absorbed("torch.layer_norm", 0, "LayerNorm", where, {0}, True, False, 2.0**-24)
+        ]
+    found = tracker.result(torch.zeros(()), lambda i: True).cancellations
+    assert found["p"].kind == "scale" and found["p"].full

@@ -361,8 +361,11 @@ class StructureTracker:
                 continue
             name = self._names[i]
             known = cancellations.get(name)
-            # A full cancellation of either effect says more than a uniform one.
-            if known is not None and (known.full or not full):
+            # A full cancellation of either effect says more than a uniform one; of two
+            # full ones the scale is reported, whatever order the calls recorded them in
+            if known is not None and (
+                not full or (known.full and (kind == SHIFT or known.kind == KINDS[SCALE]))
+            ):
                 continue
             cancellations[name] = Cancellation(name, KINDS[kind], full, _unique(records))
         # Every path of the autograd graph from the loss to a candidate must pass one of

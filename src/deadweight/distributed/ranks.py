@@ -210,7 +210,7 @@ class Layout:
 def layout_for_check(model: Any) -> Iterator[Layout]:
     """The model's `Layout`; inside, a DDP model's forward and backward stay local
     (`local_backward`). The check's one distributed call before it measures."""
-    # One walk of the modules serves the three questions below.
+    # One walk of the modules serves the FSDP2 and wrapper questions below.
     modules = list(model.modules()) if isinstance(model, nn.Module) else None
     ranks = ranks_for(model, modules)
     sharded = False
@@ -219,9 +219,7 @@ def layout_for_check(model: Any) -> Iterator[Layout]:
         # parameters gathered, registered in place of the DTensors; the check's own
         # forward would free their memory under it.
         fsdp2_reshard(model, modules)
-        sharded = holds_dtensors(
-            [p for m in modules for p in m._parameters.values() if p is not None]
-        )
+        sharded = holds_dtensors(list(model.parameters()))
     layout = Layout(ranks, Shards(ranks) if sharded else None)
     if not isinstance(model, nn.Module):
         yield layout
