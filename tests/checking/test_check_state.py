@@ -616,3 +616,32 @@ def test_a_write_no_tracer_sees_is_caught_in_every_dtype(dtype: torch.dtype) -> 
     ctypes.memset(written.data_ptr(), 0, written.element_size())  # one element, untraced
     writes = guard.writes()
     assert [(w.name, w.how, w.restored) for w in writes] == [("written", "unseen", False)]
+
+
+def test_a_forward_that_rebinds_a_parameter_or_replaces_a_module_is_read_after_it() -> None:
+    """The module cuts and the roles read the model as the forward left it: a
+    parameter registered afresh inside the forward (FSDP2's root does so when no
+    backward runs) is found where it now is, and a parameter whose module the forward
+    replaced, which nothing in the model owns any more, does not stop the check."""
+
+    class Rebinding(nn.Module):
+        def __init__(self, replace: bool) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.ones(4))
+            self.aux = nn.Linear(4, 4)
+            self.replace = replace
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.scale = nn.Parameter(self.scale.detach().clone())
+            if self.replace:
+                self.aux = nn.Identity()
+            return (self.fc(x) * self.scale).sum() + (0 if self.replace else self.aux(x).sum())
+
+    for replace in (False, True):
+        torch.manual_seed(0)
+        model, x = Rebinding(replace), torch.randn(2, 4)
+        report = deadweight.check(model, lambda model=model, x=x: model(x))
+        found = {f.code: f for f in report.findings}
+        assert found["DW101"].params == ("scale",), report
+        assert found["DW102"].params == ("scale",), report

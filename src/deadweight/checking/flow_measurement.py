@@ -486,8 +486,8 @@ def _assemble(
                 reaches_loss=id(p) in flow.reached,
                 in_optimizer=(id(p) in in_opt) if in_opt is not None else None,
                 numel=p.numel(),
-                role=roles[n][0],
-                module_type=roles[n][1],
+                role=roles.get(n, _REMOVED)[0],
+                module_type=roles.get(n, _REMOVED)[1],
                 grad=probed.stats.get(n),
                 pinned=hasattr(p, "_deadweight_pin"),
                 moved_since_pin=p._deadweight_pin.moved()
@@ -502,6 +502,11 @@ def _assemble(
         param_writes=param_writes,
         state_note=state_note,
     )
+
+
+# The role of a parameter the forward took out of the model (a module deleted or
+# replaced there): nothing owns it any more.
+_REMOVED = (param_roles.OTHER, "")
 
 
 @dataclass(frozen=True)
