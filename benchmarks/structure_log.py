@@ -24,7 +24,10 @@ lines differ, and where. Run it on both trees, the one before from a worktree:
     python benchmarks/structure_log.py --compare /tmp/before.jsonl /tmp/after.jsonl
 
 Every random generator (Python's, numpy's, torch's) is seeded before each case, so
-two runs of one tree write the same log.
+two runs of one tree write the same log. `--compare ... --verdicts` compares only
+what the pass concluded and the findings, for a change to what it follows; its
+cases are not the whole of the tests (tests/checking/test_cancellation.py has
+cases it does not).
 """
 
 from __future__ import annotations
