@@ -65,6 +65,7 @@ from deadweight.checking.carrier_algebra import (
     flat_args,
     general,
     new_tag,
+    remembered,
     tensor_outputs,
     unit_roundoff,
 )
@@ -440,18 +441,17 @@ def _param_entry(i: int, shape: torch.Size) -> Carrier:
     once made, and the shift's tag stays unique: only parameter `i` of a check has it,
     and the tags made since are all new."""
     key = (i, tuple(shape))
-    entry = _PARAM_ENTRIES.get(key)
-    if entry is None:
-        if len(_PARAM_ENTRIES) > 65536:  # bounded, whatever the models checked
-            _PARAM_ENTRIES.clear()
-        dims = all_dims(shape)
-        entry = _PARAM_ENTRIES[key] = Carrier(
-            pure={
-                2 * i + SCALE: Facet(SCALE, dims),
-                2 * i + SHIFT: Facet(SHIFT, dims, tag=new_tag()),
-            }
-        )
-    return entry
+    return remembered(_PARAM_ENTRIES, key, _new_param_entry, i, key[1], bound=65536)
+
+
+def _new_param_entry(i: int, shape: tuple[int, ...]) -> Carrier:
+    dims = all_dims(shape)
+    return Carrier(
+        pure={
+            2 * i + SCALE: Facet(SCALE, dims),
+            2 * i + SHIFT: Facet(SHIFT, dims, tag=new_tag()),
+        }
+    )
 
 
 # dtypes whose rounding is float32's or finer: a pure effect in them coarsens nothing

@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -106,6 +106,28 @@ def bits(entities: int) -> Iterator[int]:
 EMPTY = Carrier()
 
 
+# -- remembered answers ---------------------------------------------------------------
+
+V = TypeVar("V")
+
+
+def remembered(
+    store: dict[Any, V], key: Any, make: Callable[..., V], *args: Any, bound: int = 4096
+) -> V:
+    """`store[key]`, made by `make(*args)` the first time. The pass's answers that depend
+    only on shapes (and parameter indices) are looked up this way: a forward repeats a
+    few shapes layer after layer. Past `bound` entries the store is emptied, so it stays
+    bounded whatever the shapes and models seen."""
+    try:
+        return store[key]
+    except KeyError:
+        pass
+    if len(store) > bound:
+        store.clear()
+    value = store[key] = make(*args)
+    return value
+
+
 # -- dims ---------------------------------------------------------------------------
 
 
@@ -117,12 +139,7 @@ def nontrivial(shape: Sequence[int], dims: Iterable[int]) -> frozenset[int]:
 def all_dims(shape: Sequence[int]) -> frozenset[int]:
     """The dims of `shape` longer than 1 (looked up: a forward has few distinct shapes)."""
     key = tuple(shape)
-    found = _ALL_DIMS.get(key)
-    if found is None:
-        if len(_ALL_DIMS) > 4096:
-            _ALL_DIMS.clear()
-        found = _ALL_DIMS[key] = nontrivial(key, range(len(key)))
-    return found
+    return remembered(_ALL_DIMS, key, nontrivial, key, range(len(key)))
 
 
 _ALL_DIMS: dict[tuple[int, ...], frozenset[int]] = {}
@@ -144,12 +161,7 @@ def reshape_dims(
     if not dims:
         return frozenset()
     key = (tuple(in_shape), tuple(out_shape), dims)
-    found = _RESHAPED.get(key)
-    if found is None:
-        if len(_RESHAPED) > 4096:  # shapes of one forward repeat layer after layer
-            _RESHAPED.clear()
-        found = _RESHAPED[key] = _reshape_dims(key[0], key[1], dims)
-    return found
+    return remembered(_RESHAPED, key, _reshape_dims, key[0], key[1], dims)
 
 
 _RESHAPED: dict[tuple[tuple[int, ...], tuple[int, ...], frozenset[int]], frozenset[int]] = {}
@@ -204,15 +216,12 @@ _DIM_MAPS: dict[Any, DimMap | None] = {}
 def dim_map(key: Any, make: Callable[[], DimMapping | None]) -> DimMap | None:
     """The `DimMap` of an op's shapes and arguments (`key`, hashable), made by `make`
     the first time; None where `make` says the call cannot be read."""
-    try:
-        return _DIM_MAPS[key]
-    except KeyError:
-        pass
-    if len(_DIM_MAPS) > 4096:  # bounded, whatever the shapes
-        _DIM_MAPS.clear()
+    return remembered(_DIM_MAPS, key, _dim_map_of, make)
+
+
+def _dim_map_of(make: Callable[[], DimMapping | None]) -> DimMap | None:
     mapping = make()
-    found = _DIM_MAPS[key] = DimMap(mapping) if mapping is not None else None
-    return found
+    return DimMap(mapping) if mapping is not None else None
 
 
 # -- facet algebra ------------------------------------------------------------------

@@ -41,6 +41,7 @@ from deadweight.checking.carrier_algebra import (
     new_tag,
     nontrivial,
     norm_dim,
+    remembered,
     reshape_dims,
     tensor_outputs,
 )
@@ -658,10 +659,13 @@ def _matmul_maps(
 ) -> tuple[DimMap, DimMap, DimMap, DimMap]:
     """How a @ b maps the dims of a facet of a (scale, shift) and of b (scale, shift)
     to the output's, remembered per ranks and output shape (`_matmul_carrier`)."""
-    key = ("matmul", a_rank, b_rank, out_shape, transposed)
-    maps = _MATMUL_MAPS.get(key)
-    if maps is not None:
-        return maps
+    key = (a_rank, b_rank, out_shape, transposed)
+    return remembered(_MATMUL_MAPS, key, _made_matmul_maps, *key)
+
+
+def _made_matmul_maps(
+    a_rank: int, b_rank: int, out_shape: tuple[int, ...], transposed: bool
+) -> tuple[DimMap, DimMap, DimMap, DimMap]:
     nd = len(out_shape)
     m_dim = nd - 1
     batch_out = nontrivial(out_shape, range(nd - 2))
@@ -688,10 +692,7 @@ def _matmul_maps(
     def b_shift(d: frozenset[int]) -> frozenset[int]:
         return _shifted_b_dims(d, b_rank, out_shape, transposed)
 
-    if len(_MATMUL_MAPS) > 4096:  # bounded, whatever the shapes
-        _MATMUL_MAPS.clear()
-    maps = _MATMUL_MAPS[key] = (DimMap(a_map), DimMap(b_map), DimMap(a_shift), DimMap(b_shift))
-    return maps
+    return DimMap(a_map), DimMap(b_map), DimMap(a_shift), DimMap(b_shift)
 
 
 _MATMUL_MAPS: dict[tuple[Any, ...], tuple[DimMap, DimMap, DimMap, DimMap]] = {}

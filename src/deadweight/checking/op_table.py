@@ -33,6 +33,7 @@ from deadweight.checking.carrier_algebra import (
     map_facet,
     nontrivial,
     norm_dim,
+    remembered,
 )
 from deadweight.checking.op_propagation import (
     OpCall,
@@ -123,21 +124,12 @@ def _affine(
         assert mapping is not None
         mapped = map_carrier(cv, mapping)
         if is_weight:
-            result = mul_term(result, mapped, _nontrivial(shape, laid))
+            # remembered: every norm of a forward asks the same
+            varying = remembered(_NONTRIVIAL, (shape, laid), nontrivial, shape, laid)
+            result = mul_term(result, mapped, varying)
         else:
             result = add_term(result, mapped)
     return result
-
-
-def _nontrivial(shape: torch.Size, dims: tuple[int, ...]) -> frozenset[int]:
-    """`nontrivial`, remembered per shape and dims (every norm of a forward asks the same)."""
-    key = (shape, dims)
-    found = _NONTRIVIAL.get(key)
-    if found is None:
-        if len(_NONTRIVIAL) > 4096:
-            _NONTRIVIAL.clear()
-        found = _NONTRIVIAL[key] = nontrivial(shape, dims)
-    return found
 
 
 _NONTRIVIAL: dict[tuple[torch.Size, tuple[int, ...]], frozenset[int]] = {}
@@ -159,7 +151,7 @@ def _propagate_layer_norm(rms: bool) -> Callable[[OpCall], Carrier]:
             return general([ctx.c(v) for v in flat_args(ctx.args, ctx.kwargs)])
         n = len(shape) if isinstance(shape, (list, tuple, torch.Size)) else 1
         ndim = x.dim()
-        over, dims = _last_dims(ndim - n, ndim)
+        over, dims = remembered(_LAST_DIMS, (ndim - n, ndim), _dims_between, ndim - n, ndim)
         normed = _cancel(ctx, ctx.c(x), over, None, kinds, op)
         return _affine(ctx, normed, w, b, out, dims)
 
@@ -168,15 +160,9 @@ def _propagate_layer_norm(rms: bool) -> Callable[[OpCall], Carrier]:
     return rule
 
 
-def _last_dims(start: int, stop: int) -> tuple[frozenset[int], list[int]]:
-    """The dims a norm normalizes over, as a set and in order (remembered)."""
-    found = _LAST_DIMS.get((start, stop))
-    if found is None:
-        found = _LAST_DIMS[(start, stop)] = (
-            frozenset(range(start, stop)),
-            list(range(start, stop)),
-        )
-    return found
+def _dims_between(start: int, stop: int) -> tuple[frozenset[int], list[int]]:
+    """The dims a norm normalizes over, as a set and in order."""
+    return frozenset(range(start, stop)), list(range(start, stop))
 
 
 _LAST_DIMS: dict[tuple[int, int], tuple[frozenset[int], list[int]]] = {}
