@@ -188,9 +188,8 @@ class StructureTracker:
     def _set(self, out: object, c: Carrier) -> None:
         if isinstance(out, Tensor):
             if c.lost or c.partial or c.pure:
-                # `_TensorCarriers.set`, inlined (it runs for every output of every
-                # carrying call), and `_coarsen` only for a dtype coarser than float32
-                self._carriers.by_id[id(out)] = (weakref.ref(out), c)
+                self._carriers.set(out, c)
+                # `_coarsen` only for a dtype coarser than float32
                 if c.pure and out.dtype not in _FINE_DTYPES:
                     self._coarsen(c, out)
             else:
